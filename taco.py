@@ -1,0 +1,501 @@
+"""
+taco.py — compressing the tensor-parallel all-reduce.
+
+What TP communicates, and why it hurts
+--------------------------------------
+In a Megatron-style transformer layer the row-parallel linears (attention out-projection, MLP
+down-projection) leave every TP rank with a PARTIAL SUM of the layer output: a (B, T, C) tensor
+that must be all-reduced before the residual add. In the backward pass the column-parallel
+linears produce partial input gradients of the same size. That is four all-reduces of B*T*C
+elements per layer per step, on the critical path. TACO (arXiv 2604.24088) sends them in 8 bits.
+
+How a codec works (the TACO paper's Section 4, equation numbers as in the paper)
+-------------------------------------------------------------------------------
+A tensor is flattened and cut into blocks of B elements (default B = 256; the last block is
+zero-padded). For each block G_k:
+
+    sigma_k = sqrt(mean(G_k^2) + eps)              (6)  RMS of the block
+    alpha_k = tau / sigma_k                        (7)  adaptive scale: bring the RMS to tau
+    Z_k     = H_B(alpha_k * G_k) / sqrt(B)         (8)  Walsh-Hadamard rotation ("ASH" = 7 + 8)
+    s_k     = max|Z_k| / Q_max                     (9)  per-block absmax scale ("dual scale": alpha, s)
+    q_k     = FP8_E4M3(Z_k / s_k)                  (10) round-to-nearest-even, Q_max = 448
+    decode: Z' = q * s;  Y' = H_B(Z') / sqrt(B);  G' = Y' / alpha          (11)-(13)
+
+The rotation spreads an outlier over the whole block (every output is a +-1 combination of all
+inputs), so the block's absmax shrinks towards its RMS and the 8 bits are spent on the bulk of
+the distribution. H_B / sqrt(B) is orthonormal and its own inverse.
+
+One observation of ours, proved in tests/test_codecs.py: once (9) is applied, alpha cancels.
+Z/s = H(alpha G) / max|H(alpha G)| = H(G) / max|H(G)| in exact arithmetic, so alpha carries no
+information and the codec `hint8` keeps only s (one fp32 per block) and uses INT8 codes, whose
+uniform grid suits the post-rotation, near-Gaussian block better than E4M3's log grid.
+
+All codecs here are one parameterised pipeline (see CODECS): optional alpha, optional rotation,
+a scale per block / per tensor / none, and a code format (E4M3, E5M2, INT8, INT6).
+
+Wire format ("zero-copy" layout, paper Section 5): one uint8 buffer per message,
+
+    [ payload: nblocks * B * bits/8 bytes ][ per-block fp32 metadata: (alpha_k, s_k) ][ tensor scale ]
+
+so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nmeta*4: pointer
+arithmetic, no index. A message is self-contained: it can be sent, stored and decoded alone.
+
+Non-finite input: a block containing NaN or +-Inf (or whose rotation/RMS overflows fp32) is
+marked bad: its codes are 0 and its scale is NaN, so it decodes to NaN. Nothing non-finite is
+ever silently turned into a finite number. (For the scale-free `fp8` codec this is per element.)
+
+The two-shot compressed all-reduce
+----------------------------------
+    1. split the tensor into W shards (W = group size), each padded to a multiple of B
+    2. compress every shard                                      -> W messages
+    3. all_to_all: message r goes to rank r                       (reduce-scatter phase)
+    4. decompress the W messages for MY shard, sum in fp32 in rank order 0..W-1, re-compress
+    5. all_gather the re-compressed shards                        (all-gather phase)
+    6. decompress ALL W shards, my own included, from the gathered bytes
+Step 6 is why every rank ends with bitwise-identical results: each rank decodes the very same
+bytes with the same code. (Keeping one's own uncompressed shard would break that.)
+The tensor can be cut into `chunks` that pipeline: every chunk's all-to-all is started (async)
+before the first one is waited on, so chunk i+1 is compressed while chunk i is on the wire.
+
+What we measured
+----------------
+See README.md ("Codecs") and results/: relative error of each codec on tensors captured from
+the demo model's real TP all-reduces (`python bench.py codecs`).
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CODEC = "hint8"          # the codec that measures best (README "Codecs"); `taco` is the paper
+DEFAULT_MIN_BYTES = 0            # below this many bytes, a plain all-reduce (tuned per machine)
+
+QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0}
+BITS = {"e4m3": 8, "e5m2": 8, "int8": 8, "int6": 6, "raw": 8}
+FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+E4M3_NAN = 0x7F
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    adaptive: bool   # Eq. 6-7: per-block alpha = tau / rms
+    rotate: bool     # Eq. 8: block Walsh-Hadamard
+    scale: str       # "block" (Eq. 9) | "tensor" (one absmax per message) | "none"
+    fmt: str         # "e4m3" | "e5m2" | "int8" | "int6"
+
+
+CODECS = {
+    # the paper
+    "taco":       CodecSpec(True,  True,  "block",  "e4m3"),
+    # the paper's ablations (Figs. 11, 13, 14)
+    "fp8":        CodecSpec(False, False, "none",   "e4m3"),   # direct cast ("NVFP8")
+    "fp8-tensor": CodecSpec(False, False, "tensor", "e4m3"),   # one absmax scale per tensor
+    "ds":         CodecSpec(False, False, "block",  "e4m3"),   # per-block absmax, no rotation
+    "hadamard":   CodecSpec(False, True,  "tensor", "e4m3"),   # standard Hadamard, one scale
+    "ash":        CodecSpec(True,  True,  "none",   "e4m3"),   # alpha + Hadamard, saturating cast
+    "taco-e5m2":  CodecSpec(True,  True,  "block",  "e5m2"),
+    "taco-int8":  CodecSpec(True,  True,  "block",  "int8"),
+    # ours
+    "hint8":      CodecSpec(False, True,  "block",  "int8"),   # Hadamard + block absmax INT8
+    "hint6":      CodecSpec(False, True,  "block",  "int6"),   # same, 6-bit codes, 4 per 3 bytes
+}
+
+
+# -----------------------------------------------------------------------------
+# building blocks shared by every codec (the CUDA kernels do the same arithmetic in the same order)
+
+def fwht(x):
+    """Unnormalised Walsh-Hadamard transform over the last dim (a power of two), in place order:
+    butterflies (a, b) -> (a + b, a - b) with stride 1, 2, 4, ... (the kernel's order)."""
+    B = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < B:
+        x = x.reshape(*lead, B // (2 * h), 2, h)
+        a, b = x[..., 0, :], x[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return x.reshape(*lead, B)
+
+
+def block_sumsq(g):
+    """Sum of squares of each block in the kernel's order: thread t of a 32-lane warp owns the
+    B/32 consecutive elements [t*E, (t+1)*E) and sums them left to right; then the warp folds with
+    xor-shuffles 16, 8, 4, 2, 1 (lane i adds lane i^m; the same as folding halves)."""
+    nb, B = g.shape[-2], g.shape[-1]
+    sq = (g * g).reshape(*g.shape[:-1], 32, B // 32)
+    acc = sq[..., 0]
+    for j in range(1, sq.shape[-1]):
+        acc = acc + sq[..., j]
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
+
+
+def pack_int6(q):
+    """(..., 4k) int codes in [-31, 31] -> (..., 3k) bytes: w = u0 | u1<<6 | u2<<12 | u3<<18, little-endian."""
+    u = (q.to(torch.int32) & 63).reshape(*q.shape[:-1], -1, 4)
+    w = u[..., 0] | (u[..., 1] << 6) | (u[..., 2] << 12) | (u[..., 3] << 18)
+    b = torch.stack((w & 255, (w >> 8) & 255, (w >> 16) & 255), dim=-1)
+    return b.to(torch.uint8).reshape(*q.shape[:-1], -1)
+
+
+def unpack_int6(b):
+    t = b.to(torch.int32).reshape(*b.shape[:-1], -1, 3)
+    w = t[..., 0] | (t[..., 1] << 8) | (t[..., 2] << 16)
+    u = torch.stack([(w >> s) & 63 for s in (0, 6, 12, 18)], dim=-1)
+    return ((u ^ 32) - 32).reshape(*b.shape[:-1], -1)          # sign-extend 6 bits
+
+
+def quantize(y, fmt):
+    """y already scaled into [-QMAX, QMAX] (finite). E4M3/E5M2: RNE with saturation; INT: RNE."""
+    y = y.clamp(-QMAX[fmt], QMAX[fmt])
+    if fmt in FP8_DTYPE:
+        return y.to(FP8_DTYPE[fmt]).view(torch.uint8)
+    q = torch.round(y)                                          # round half to even
+    return q.to(torch.int8).view(torch.uint8) if fmt == "int8" else pack_int6(q)
+
+
+def dequantize(b, fmt):
+    if fmt in FP8_DTYPE:
+        return b.view(FP8_DTYPE[fmt]).float()
+    return b.view(torch.int8).float() if fmt == "int8" else unpack_int6(b).float()
+
+
+# -----------------------------------------------------------------------------
+# the codec
+
+class Codec:
+    """A codec = a spec + block size (+ tau, eps for the adaptive scale).
+
+    encode(x: (M, L)) -> (M, S) uint8   M messages of L elements each (L a multiple of B)
+    decode(buf: (M, S), L) -> (M, L) fp32
+    reduce_encode(buf: (P, S), L) -> (S,) uint8   decode P messages, sum in fp32 in order, re-encode
+    compress(x) -> 1-D uint8;  decompress(buf, shape, dtype);  roundtrip(x)   (any shape and size)
+
+    On CUDA tensors the fused kernels of taco_kernels.cu run where they exist (TACO_KERNELS=0
+    forces this reference); everywhere else, this PyTorch reference."""
+
+    def __init__(self, name, block_size=256, tau=1.0, eps=1e-30):
+        if name not in CODECS:
+            raise ValueError(f"unknown codec {name!r}; choose one of {sorted(CODECS)} or 'none'")
+        if block_size < 32 or block_size > 1024 or block_size & (block_size - 1):
+            raise ValueError(f"block_size={block_size} must be a power of two in [32, 1024]")
+        self.name, self.spec, self.B, self.tau, self.eps = name, CODECS[name], block_size, tau, eps
+        self.bits = BITS[self.spec.fmt]
+        self.nmeta = int(self.spec.adaptive) + int(self.spec.scale == "block")
+        self.c = float(torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32))  # 1/sqrt(B) as fp32
+
+    def __repr__(self):
+        return f"Codec({self.name!r}, B={self.B})"
+
+    def padded(self, n):
+        return cdiv(n, self.B) * self.B
+
+    def nbytes(self, L):
+        """Bytes of one message of L elements (L a multiple of B)."""
+        nb = L // self.B
+        return nb * self.B * self.bits // 8 + nb * self.nmeta * 4 + (4 if self.spec.scale == "tensor" else 0)
+
+    # === encode ===
+    def encode(self, x):
+        M, L = x.shape
+        assert L % self.B == 0, "messages are padded to whole blocks"
+        if x.is_cuda and _use_kernels() and kernels_support(self):
+            return _kernels().encode(self, x)
+        return self._encode_ref(x)
+
+    def _encode_ref(self, x):
+        sp, B, M, L = self.spec, self.B, x.shape[0], x.shape[1]
+        nb = L // B
+        g = x.float().reshape(M, nb, B)
+        bad = ~torch.isfinite(g).all(dim=-1)                     # (M, nb) blocks that hold NaN/Inf
+        # === Eq. 6-7: adaptive scale ===
+        if sp.adaptive:
+            ss = block_sumsq(g)
+            sigma = torch.sqrt(ss * (1.0 / B) + self.eps)
+            alpha = self.tau / sigma
+            bad |= ~torch.isfinite(ss)
+            g = g * alpha[..., None]
+        # === Eq. 8: rotation ===
+        if sp.rotate:
+            g = fwht(g) * self.c
+        # === Eq. 9: absmax scale ===
+        if sp.scale == "block":
+            m = g.abs().amax(dim=-1)
+            bad |= ~torch.isfinite(m)
+            s = m / QMAX[sp.fmt]
+            y = g / torch.where(s > 0, s, torch.ones_like(s))[..., None]
+        elif sp.scale == "tensor":
+            m = g.abs().reshape(M, -1).amax(dim=-1)
+            tbad = ~torch.isfinite(m) | bad.any(dim=-1)
+            bad |= tbad[:, None]
+            s = m / QMAX[sp.fmt]
+            y = g / torch.where(s > 0, s, torch.ones_like(s))[:, None, None]
+        else:
+            y = g
+        # === Eq. 10: codes ===
+        if sp.scale == "none" and not sp.adaptive:                 # raw cast: NaN per element
+            nonfinite = ~torch.isfinite(y)
+            q = quantize(torch.where(nonfinite, torch.zeros_like(y), y), sp.fmt)
+            q = torch.where(nonfinite, torch.full_like(q, E4M3_NAN), q)
+        else:
+            q = quantize(torch.where(bad[..., None], torch.zeros_like(y), y), sp.fmt)
+        # === pack: payload | per-block (alpha, s) | tensor scale ===
+        nan = torch.tensor(float("nan"))
+        parts = [q.reshape(M, -1)]
+        meta = []
+        if sp.adaptive:
+            meta.append(torch.where(bad, nan, alpha))
+        if sp.scale == "block":
+            meta.append(torch.where(bad, nan, s))
+        if meta:
+            parts.append(torch.stack(meta, dim=-1).reshape(M, -1).contiguous().view(torch.uint8))
+        if sp.scale == "tensor":
+            parts.append(torch.where(tbad, nan, s).reshape(M, 1).contiguous().view(torch.uint8))
+        return torch.cat(parts, dim=1)
+
+    # === decode ===
+    def decode(self, buf, L):
+        if buf.is_cuda and _use_kernels() and kernels_support(self):
+            return _kernels().decode(self, buf, L)
+        return self._decode_ref(buf, L)
+
+    def _decode_ref(self, buf, L):
+        sp, B, M = self.spec, self.B, buf.shape[0]
+        nb = L // B
+        pay = nb * B * self.bits // 8
+        y = dequantize(buf[:, :pay].contiguous(), sp.fmt).reshape(M, nb, B)
+        meta = buf[:, pay:pay + nb * self.nmeta * 4].contiguous().view(torch.float32).reshape(M, nb, self.nmeta)
+        if sp.scale == "block":
+            y = y * meta[..., -1:]
+        elif sp.scale == "tensor":
+            y = y * buf[:, -4:].contiguous().view(torch.float32).reshape(M, 1, 1)
+        if sp.rotate:
+            y = fwht(y) * self.c
+        if sp.adaptive:
+            y = y / meta[..., :1]
+        return y.reshape(M, L)
+
+    def reduce_encode(self, buf, L):
+        """Decode P messages, sum in fp32 in message order 0..P-1, re-encode as one message."""
+        if buf.is_cuda and _use_kernels() and kernels_support(self):
+            return _kernels().reduce_encode(self, buf, L)
+        parts = self._decode_ref(buf, L)
+        acc = parts[0]
+        for r in range(1, parts.shape[0]):
+            acc = acc + parts[r]
+        return self._encode_ref(acc[None])[0]
+
+    # === whole tensors ===
+    def compress(self, x):
+        n = x.numel()
+        if n == 0:                                                 # nothing to encode (a tensor scale of 0)
+            return torch.zeros(self.nbytes(0), dtype=torch.uint8, device=x.device)
+        flat = torch.zeros(self.padded(n), dtype=torch.float32, device=x.device)
+        flat[:n] = x.reshape(-1)
+        return self.encode(flat[None])[0]
+
+    def decompress(self, buf, shape, dtype=torch.float32):
+        n = math.prod(shape)
+        if n == 0:
+            return torch.zeros(shape, dtype=dtype, device=buf.device)
+        return self.decode(buf[None], self.padded(n))[0, :n].reshape(shape).to(dtype)
+
+    def roundtrip(self, x):
+        return self.decompress(self.compress(x), x.shape, x.dtype)
+
+
+_CODEC_CACHE = {}
+
+
+def get_codec(name, block_size=256, tau=1.0, eps=1e-30):
+    """`none` returns None (no codec: the plain collective). Otherwise a (cached) Codec."""
+    if name in (None, "none"):
+        return None
+    key = (name, block_size, tau, eps)
+    if key not in _CODEC_CACHE:
+        _CODEC_CACHE[key] = Codec(name, block_size, tau, eps)
+    return _CODEC_CACHE[key]
+
+
+# -----------------------------------------------------------------------------
+# the fused CUDA kernels (taco_kernels.cu), JIT-built on first use
+
+_KERNELS = None
+
+
+def _use_kernels():
+    return os.environ.get("TACO_KERNELS", "1") != "0"
+
+
+def kernels_support(codec):
+    """The kernels cover block- and scale-free codecs; the per-tensor-scale ablations
+    (`fp8-tensor`, `hadamard`) need a grid-wide absmax and run on the reference."""
+    return codec.spec.scale != "tensor"
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        import taco_cuda
+        _KERNELS = taco_cuda.load()
+    return _KERNELS
+
+
+# -----------------------------------------------------------------------------
+# compressed collectives
+
+@dataclass
+class CommStats:
+    """Bytes this rank put on the wire vs what an uncompressed ring all-reduce would have sent."""
+    calls: int = 0
+    wire_bytes: int = 0
+    logical_bytes: int = 0
+
+    def add(self, wire, logical):
+        self.calls += 1
+        self.wire_bytes += int(wire)
+        self.logical_bytes += int(logical)
+
+    def reset(self):
+        self.calls = self.wire_bytes = self.logical_bytes = 0
+
+    @property
+    def ratio(self):
+        return self.logical_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def _plan_chunks(n, W, B, chunks):
+    """Split n elements into <= chunks contiguous pieces, each a multiple of W*B elements except the last."""
+    per = cdiv(cdiv(n, chunks), W * B) * W * B
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+def emulated_all_reduce(partials, codec=DEFAULT_CODEC, block_size=256):
+    """What `all_reduce` returns when rank r contributes partials[r], computed in one process with the
+    same arithmetic (same shards, same fp32 rank-order sum, same re-encode): the TP-emulation path."""
+    cd = get_codec(codec, block_size)
+    W, n = len(partials), partials[0].numel()
+    if cd is None:
+        acc = partials[0].float().clone()
+        for p in partials[1:]:
+            acc += p.float()
+        return acc.view_as(partials[0]).to(partials[0].dtype)
+    L = cd.padded(cdiv(n, W))
+    sent = []                                                      # sent[r]: rank r's (W, S) messages
+    for p in partials:
+        shards = torch.zeros(W * L, dtype=torch.float32, device=p.device)
+        shards[:n] = p.reshape(-1)
+        sent.append(cd.encode(shards.view(W, L)))
+    mine = torch.stack([cd.reduce_encode(torch.stack([sent[r][k] for r in range(W)]), L) for k in range(W)])
+    return cd.decode(mine, L).view(-1)[:n].view_as(partials[0]).to(partials[0].dtype)
+
+
+# torch >= 2.12 renames all_gather_into_tensor to all_gather_single (same arguments)
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
+               min_bytes=DEFAULT_MIN_BYTES, stats=None):
+    """In-place SUM over `group`, like torch.distributed.all_reduce, two-shot and compressed.
+    Returns x. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce."""
+    W = dist.get_world_size(group)
+    n, esize = x.numel(), x.element_size()
+    logical = 2 * (W - 1) * n * esize / W
+    cd = get_codec(codec, block_size)
+    if W == 1:
+        return x
+    if cd is None or n * esize < min_bytes or n == 0:
+        dist.all_reduce(x, group=group)
+        if stats is not None:
+            stats.add(logical, logical)
+        return x
+    flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+    pending, wire = [], 0
+    # === reduce-scatter phase: compress every chunk's W shards, start its all-to-all ===
+    for a, b in _plan_chunks(n, W, cd.B, chunks):
+        L = cd.padded(cdiv(b - a, W))                              # shard length, whole blocks
+        shards = torch.zeros(W * L, dtype=torch.float32, device=x.device)
+        shards[:b - a] = flat[a:b]
+        send = cd.encode(shards.view(W, L))                        # (W, S): message r is for rank r
+        recv = torch.empty_like(send)
+        # async: the next chunk is compressed while this one is on the wire (on GPU, NCCL's stream)
+        work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+        pending.append((a, b, L, work, recv))
+        wire += 2 * (W - 1) * send.shape[1]
+    # === reduce my shard in fp32 (rank order), re-compress, start the all-gather ===
+    gathers = []
+    for a, b, L, work, recv in pending:
+        work.wait()                                                # orders the stream, no host sync on GPU
+        mine = cd.reduce_encode(recv, L)
+        gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
+        gathers.append((a, b, L, _all_gather_flat(gathered, mine, group=group, async_op=True),
+                        gathered.view(W, -1)))
+    # === decode all W shards, my own included, from the gathered bytes ===
+    for a, b, L, work, gathered in gathers:
+        work.wait()
+        flat[a:b] = cd.decode(gathered, L).view(-1)[:b - a].to(x.dtype)
+    if not x.is_contiguous():
+        x.copy_(flat.view_as(x))
+    if stats is not None:
+        stats.add(wire, logical)
+    return x
+
+
+def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
+    """Sum over the group of x (n elements, n divisible by W); returns this rank's n/W slice.
+    The summed shard is not re-compressed (it stays with its owner)."""
+    W, r = dist.get_world_size(group), dist.get_rank(group)
+    n = x.numel()
+    if n % W:
+        raise ValueError(f"reduce_scatter needs numel ({n}) divisible by the group size ({W})")
+    cd = get_codec(codec, block_size)
+    out = torch.empty(n // W, dtype=x.dtype, device=x.device)
+    if cd is None:
+        dist.reduce_scatter_tensor(out, x.reshape(-1).contiguous(), group=group)
+        if stats is not None:
+            stats.add((W - 1) * out.numel() * x.element_size(), (W - 1) * out.numel() * x.element_size())
+        return out
+    L = cd.padded(n // W)
+    shards = torch.zeros(W, L, dtype=torch.float32, device=x.device)
+    shards[:, :n // W] = x.reshape(W, n // W)
+    send = cd.encode(shards)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    parts = cd.decode(recv, L)
+    acc = parts[0]
+    for i in range(1, W):
+        acc = acc + parts[i]
+    out.copy_(acc[:n // W])
+    if stats is not None:
+        stats.add((W - 1) * send.shape[1], (W - 1) * out.numel() * x.element_size())
+    return out
+
+
+def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
+    """Concatenate x from every rank (rank order); every rank decodes every piece, its own
+    included, so all ranks hold bitwise-identical results."""
+    W = dist.get_world_size(group)
+    n = x.numel()
+    cd = get_codec(codec, block_size)
+    out = torch.empty(W * n, dtype=x.dtype, device=x.device)
+    if cd is None:
+        _all_gather_flat(out, x.reshape(-1).contiguous(), group=group)
+        if stats is not None:
+            stats.add((W - 1) * n * x.element_size(), (W - 1) * n * x.element_size())
+        return out
+    mine = cd.compress(x)
+    gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
+    _all_gather_flat(gathered, mine, group=group)
+    out.copy_(cd.decode(gathered.view(W, -1), cd.padded(n))[:, :n].reshape(-1))
+    if stats is not None:
+        stats.add((W - 1) * mine.numel(), (W - 1) * n * x.element_size())
+    return out

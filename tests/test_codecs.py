@@ -1,0 +1,264 @@
+"""Every codec against an independent, straightforward float64 implementation of its definition
+(Sylvester Hadamard matrix, nearest-value search on the enumerated FP8 grid), plus format-derived
+error bounds and the edge cases (zeros, NaN/Inf, tiny, huge, awkward sizes, dtypes)."""
+import math
+
+import pytest
+import torch
+
+import taco
+
+# the definitions, written out again here: (alpha, rotation, scale scope, format)
+DEFS = {
+    "taco": (True, True, "block", "e4m3"), "fp8": (False, False, "none", "e4m3"),
+    "fp8-tensor": (False, False, "tensor", "e4m3"), "ds": (False, False, "block", "e4m3"),
+    "hadamard": (False, True, "tensor", "e4m3"), "ash": (True, True, "none", "e4m3"),
+    "taco-e5m2": (True, True, "block", "e5m2"), "taco-int8": (True, True, "block", "int8"),
+    "hint8": (False, True, "block", "int8"), "hint6": (False, True, "block", "int6"),
+}
+QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0}
+
+
+def fp8_grid(fmt):
+    """All finite non-negative values of the format, ascending, with their (positive) code bytes."""
+    ebits, mbits, bias = (4, 3, 7) if fmt == "e4m3" else (5, 2, 15)
+    vals, codes = [], []
+    for e in range(2 ** ebits):
+        for m in range(2 ** mbits):
+            if fmt == "e4m3" and e == 15 and m == 7:
+                continue                                   # E4M3fn: S.1111.111 is NaN, no infinities
+            if fmt == "e5m2" and e == 31:
+                continue                                   # E5M2: exponent 31 is Inf/NaN
+            v = (m / 2 ** mbits) * 2.0 ** (1 - bias) if e == 0 else (1 + m / 2 ** mbits) * 2.0 ** (e - bias)
+            vals.append(v)
+            codes.append((e << mbits) | m)
+    return torch.tensor(vals, dtype=torch.float64), torch.tensor(codes)
+
+
+def round_fp8(y, fmt):
+    """Nearest representable value, ties to the even code, saturating: an independent cast."""
+    vals, codes = fp8_grid(fmt)
+    a = y.abs().clamp(max=vals[-1].item())
+    hi = torch.searchsorted(vals, a).clamp(max=len(vals) - 1)
+    lo = (hi - 1).clamp(min=0)
+    dlo, dhi = a - vals[lo], vals[hi] - a
+    pick = torch.where(dlo < dhi, lo, torch.where(dhi < dlo, hi, torch.where(codes[lo] % 2 == 0, lo, hi)))
+    return torch.where(torch.signbit(y), -vals[pick], vals[pick])
+
+
+def quant_ref(y, fmt):
+    y = y.clamp(-QMAX[fmt], QMAX[fmt])
+    return round_fp8(y, fmt) if fmt.startswith("e") else torch.round(y)   # torch.round: half to even
+
+
+def hadamard_matrix(B):
+    H = torch.ones(1, 1, dtype=torch.float64)
+    while H.shape[0] < B:
+        H = torch.cat((torch.cat((H, H), 1), torch.cat((H, -H), 1)), 0)
+    return H
+
+
+def independent_roundtrip(x, name, B=256, tau=1.0, eps=1e-30):
+    """Returns (decoded x, per-block y = Z/s before rounding, per-block s, alpha) in float64."""
+    adaptive, rotate, scope, fmt = DEFS[name]
+    n = x.numel()
+    nb = max(1, -(-n // B))
+    g = torch.zeros(nb * B, dtype=torch.float64)
+    g[:n] = x.reshape(-1).double()
+    g = g.view(nb, B)
+    alpha = tau / torch.sqrt((g * g).mean(1, keepdim=True) + eps) if adaptive else torch.ones(nb, 1, dtype=torch.float64)
+    H = hadamard_matrix(B) / math.sqrt(B)
+    z = (alpha * g) @ H.T if rotate else alpha * g
+    if scope == "block":
+        s = z.abs().amax(1, keepdim=True) / QMAX[fmt]
+    elif scope == "tensor":
+        s = (z.abs().max() / QMAX[fmt]).expand(nb, 1)
+    else:
+        s = torch.ones(nb, 1, dtype=torch.float64)
+    s_safe = torch.where(s > 0, s, torch.ones_like(s))
+    y = z / s_safe
+    zq = quant_ref(y, fmt) * s
+    out = (zq @ H if rotate else zq) / alpha
+    return out.reshape(-1)[:n], y, s, alpha
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-300)).item()
+
+
+def realistic(n, seed=0):
+    """Heavy-tailed, near-zero bulk with a few outliers: the shape of TP partial sums (paper Fig. 4)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.02
+    x += torch.randn(n, generator=g).pow(3) * 0.01
+    x[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 40.0
+    return x
+
+
+# --- each codec vs its independent definition --------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+def test_codec_matches_independent_definition(name):
+    x = realistic(4096 + 77)
+    ours = taco.get_codec(name).roundtrip(x)
+    ref, _, _, _ = independent_roundtrip(x, name)
+    # the two differ only where fp32 rounding (ours) and float64 (ref) fall on different sides of a
+    # code boundary: a few codes in a thousand, each one step apart
+    assert rel_err(ours, ref) < 0.01 * max(rel_err(ref, x), 1e-7) + 1e-6, (rel_err(ours, ref), rel_err(ref, x))
+    differ = (ours.double() - ref).abs() > 1e-6 * x.abs().max()
+    assert differ.float().mean() < 0.001
+
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+def test_metadata_found_by_pointer_arithmetic(name):
+    """Block k's (alpha_k, s_k) sit at payload_bytes + 4*nmeta*k; a tensor scale is the last 4 bytes."""
+    cd = taco.get_codec(name)
+    x = realistic(3 * 256)
+    buf = cd.compress(x)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.numel() == cd.nbytes(3 * 256)
+    _, _, s, alpha = independent_roundtrip(x, name)
+    adaptive, _, scope, fmt = DEFS[name]
+    pay = 3 * 256 * (6 if fmt == "int6" else 8) // 8
+    nmeta = int(adaptive) + int(scope == "block")
+    for k in range(3):
+        meta = buf[pay + 4 * nmeta * k: pay + 4 * nmeta * (k + 1)].view(torch.float32).double()
+        if adaptive:
+            assert meta[0].item() == pytest.approx(alpha[k, 0].item(), rel=1e-5)
+        if scope == "block":
+            assert meta[-1].item() == pytest.approx(s[k, 0].item(), rel=1e-5)
+    if scope == "tensor":
+        assert buf[-4:].view(torch.float32).item() == pytest.approx(s[0, 0].item(), rel=1e-5)
+
+
+# --- building blocks -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("B", [32, 64, 256, 512, 1024])
+def test_hadamard_is_orthonormal_and_self_inverse(B):
+    x = torch.randn(5, B, dtype=torch.float64)
+    H = hadamard_matrix(B)
+    torch.testing.assert_close(taco.fwht(x), x @ H.T)                       # the butterfly is H_B
+    torch.testing.assert_close(H @ H.T, B * torch.eye(B, dtype=torch.float64))
+    torch.testing.assert_close(taco.fwht(taco.fwht(x)) / B, x)              # (H/sqrt B)^2 = I
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_cast_is_rne_and_saturating(fmt):
+    vals, _ = fp8_grid(fmt)
+    mids = (vals[1:] + vals[:-1]) / 2                                      # exact ties
+    y = torch.cat([vals, mids, -mids, torch.randn(20000, dtype=torch.float64) * vals[-1].item() / 8,
+                   torch.tensor([1e6, -1e6, vals[-1].item() * 1.01])]).float()
+    ours = taco.dequantize(taco.quantize(y, fmt), fmt).double()
+    assert torch.equal(ours, quant_ref(y.double(), fmt))
+    assert ours.abs().max().item() == vals[-1].item()                      # saturates, never Inf/NaN
+
+
+def test_int6_packing_roundtrips_every_code():
+    q = torch.arange(-31, 33).clamp(max=31)                                 # 64 codes, a multiple of 4
+    packed = taco.pack_int6(q)
+    assert packed.numel() == 48 and packed.dtype == torch.uint8
+    assert torch.equal(taco.unpack_int6(packed), q)
+    assert taco.get_codec("hint6").nbytes(256) == 192 + 4                   # 25% fewer payload bytes
+
+
+def test_alpha_cancels_in_hint8():
+    """Z/s is invariant to alpha: exactly for a power-of-two alpha, up to fp32 rounding otherwise."""
+    cd = taco.get_codec("hint8")
+    x = realistic(64 * 256)
+    pay = x.numel()
+    codes = lambda t: cd.compress(t)[:pay].view(torch.int8).int()
+    assert torch.equal(codes(x), codes(x * 2.0 ** 7))
+    blocks = x.view(64, 256)
+    alpha = 1.0 / torch.sqrt((blocks * blocks).mean(1, keepdim=True) + 1e-30)   # taco's alpha, tau = 1
+    diff = (codes(x) - codes((blocks * alpha).reshape(-1))).abs()
+    assert diff.max().item() <= 1 and diff.float().mean().item() < 0.01
+
+
+# --- error bounds from the formats ---------------------------------------------------------------------
+
+def code_step(y, fmt):
+    """Largest rounding error of one code at scaled value y (half a step of the format's grid)."""
+    if fmt == "e4m3":
+        return torch.maximum(y.abs() * 2.0 ** -4, torch.full_like(y, 2.0 ** -10))
+    if fmt == "e5m2":
+        return torch.maximum(y.abs() * 2.0 ** -3, torch.full_like(y, 2.0 ** -17))
+    return torch.full_like(y, 0.5)
+
+
+@pytest.mark.parametrize("name", ["taco", "ds", "taco-e5m2", "taco-int8", "hint8", "hint6"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_error_within_format_bound(name, seed):
+    """Per block, ||G' - G||_2 <= (s/alpha) * sqrt(sum half-step(y_i)^2): the rotation is orthonormal,
+    so the code rounding error maps one-to-one back to the block. (+1e-5 relative for fp32 arithmetic.)"""
+    x = realistic(32 * 256, seed)
+    fmt = DEFS[name][3]
+    out = taco.get_codec(name).roundtrip(x).double().view(32, 256)
+    _, y, s, alpha = independent_roundtrip(x, name)
+    bound = (s / alpha)[:, 0] * code_step(y, fmt).pow(2).sum(1).sqrt()
+    err = (out - x.double().view(32, 256)).norm(dim=1)
+    assert (err <= bound * (1 + 1e-3) + 1e-5 * x.double().view(32, 256).norm(dim=1)).all()
+
+
+# --- edge cases ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+@pytest.mark.parametrize("n", [0, 1, 255, 257, 997, 256 * 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sizes_and_dtypes(name, n, dtype):
+    cd = taco.get_codec(name)
+    x = realistic(max(n, 1))[:n].to(dtype).reshape(n, 1) if n else torch.zeros(0, 1, dtype=dtype)
+    out = cd.roundtrip(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert cd.compress(x).numel() == cd.nbytes(cd.padded(n))
+    if n:
+        assert torch.isfinite(out).all()
+        assert rel_err(out.float(), x.float()) < (0.3 if name == "fp8" else 0.1)
+
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+def test_zeros_stay_zero(name):
+    x = torch.zeros(1000)
+    assert torch.equal(taco.get_codec(name).roundtrip(x), x)
+
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_propagates(name, bad):
+    x = realistic(1024)
+    x[300] = bad
+    out = taco.get_codec(name).roundtrip(x)
+    assert not torch.isfinite(out[300])                                   # never silently finite
+    if DEFS[name][2] == "block" or DEFS[name][0]:
+        assert torch.isfinite(out[512:]).all()                            # other blocks unharmed
+        assert rel_err(out[512:], x[512:]) < 0.1
+
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+def test_tiny_block_does_not_become_nan(name):
+    x = torch.full((512,), 1e-30)
+    x[::3] = -1e-30
+    out = taco.get_codec(name).roundtrip(x)
+    assert torch.isfinite(out).all()
+    if name not in ("fp8", "ash"):                           # scale-free codecs flush 1e-30 to zero
+        assert rel_err(out, x) < 0.1
+
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+def test_huge_values_never_silently_wrong(name):
+    x = realistic(1024) * 1e32                               # |x| up to ~1e31: fp32 squares overflow
+    out = taco.get_codec(name).roundtrip(x)
+    blocks_ok = torch.isfinite(out.view(4, 256)).all(1)
+    if name == "fp8":                                        # the raw cast saturates, by definition
+        assert out.abs().max().item() == 448.0 and blocks_ok.all()
+        return
+    assert blocks_ok.any() or DEFS[name][0]                  # only alpha's sum of squares overflows
+    for k in range(4):                                       # each block: accurate, or non-finite
+        if blocks_ok[k]:
+            assert rel_err(out.view(4, 256)[k], x.view(4, 256)[k]) < 0.1
+
+
+def test_unknown_codec_and_bad_block_size_are_refused():
+    with pytest.raises(ValueError, match="unknown codec"):
+        taco.get_codec("fp4")
+    with pytest.raises(ValueError, match="power of two"):
+        taco.get_codec("taco", block_size=100)
+    assert taco.get_codec("none") is None
