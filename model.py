@@ -1,0 +1,329 @@
+"""
+A GPT-2 in one file, with hand-written tensor parallelism (Megatron-LM, Shoeybi et al. 2019).
+
+Per transformer block, with tp ranks:
+
+    x ─ LN ─ f ─ QKV (column ‖) ─ attention on n_head/tp local heads ─ out-proj (row ‖) ─ g ─ + x
+    x ─ LN ─ f ─ fc  (column ‖) ─ GELU on 4C/tp local features   ─ proj   (row ‖) ─ g ─ + x
+
+f = parallel.copy_to_tp (all-reduce in backward), g = parallel.reduce_from_tp (all-reduce in
+forward). The token embedding and the tied LM head are split over the vocabulary, and the loss is
+a vocab-parallel cross-entropy: full logits are never gathered.
+
+Built in a plain process (no TPComm given) the model is TP=1 and is an ordinary GPT-2.
+Every weight is initialised at full size from the seed and then sliced, so TP=1 and TP=N start
+from identical parameters.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel import TPComm, copy_to_tp, reduce_from_tp
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50257      # real vocabulary; the embedding is padded to a multiple of 128
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+    @property
+    def padded_vocab(self):
+        return -(-self.vocab_size // 128) * 128
+
+
+# -----------------------------------------------------------------------------
+# tensor-parallel layers
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by output rows; each rank owns out/tp outputs, no communication
+    in forward (the f before it all-reduces the input gradient in backward).
+
+        A = [ A_0 ]   rank 0 computes X A_0^T  (B, T, out/tp)
+            [ A_1 ]   rank 1 computes X A_1^T
+    `parts` > 1 splits the output into that many equal sections first (QKV: [Q|K|V]) and gives
+    each rank the same slice of every section, so rank r owns whole heads of Q, K and V."""
+
+    def __init__(self, d_in, d_out, comm, bias=True, parts=1):
+        super().__init__()
+        self.comm, self.parts, self.d_out = comm, parts, d_out
+        self.weight = nn.Parameter(torch.empty(d_out // comm.size, d_in))
+        self.bias = nn.Parameter(torch.zeros(d_out // comm.size)) if bias else None
+        self.weight.tp_split = True
+        if bias:
+            self.bias.tp_split = True
+
+    def shard(self, full):                       # full: (d_out, ...) -> this rank's rows
+        sections = full.chunk(self.parts, dim=0)
+        return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in sections], dim=0)
+
+    def forward(self, x):
+        return F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)   # (B, T, out/tp)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by input columns; the input arrives already split (the
+    output of a column-parallel layer), each rank computes a partial sum, g all-reduces it.
+
+        A = [ A_0 | A_1 ]   Y = X_0 A_0^T + X_1 A_1^T   (the sum is the TP all-reduce)
+    The bias is added once, after the reduction."""
+
+    def __init__(self, d_in, d_out, comm, bias=True):
+        super().__init__()
+        self.comm = comm
+        self.weight = nn.Parameter(torch.empty(d_out, d_in // comm.size))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+        self.weight.tp_split = True
+
+    def shard(self, full):                       # full: (d_out, d_in) -> this rank's columns
+        return full.chunk(self.comm.size, dim=1)[self.comm.rank]
+
+    def forward(self, x):                        # x: (B, T, in/tp)
+        y = reduce_from_tp(F.linear(x, self.weight), self.comm)            # (B, T, out)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns rows [r*V/tp, (r+1)*V/tp) of the (padded) token embedding; tokens outside
+    the range look up zeros, and g sums the ranks' partial embeddings."""
+
+    def __init__(self, vocab, dim, comm):
+        super().__init__()
+        self.comm = comm
+        self.per_rank = vocab // comm.size
+        self.start = comm.rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, dim))
+        self.weight.tp_split = True
+
+    def shard(self, full):
+        return full.chunk(self.comm.size, dim=0)[self.comm.rank]
+
+    def forward(self, idx):
+        if self.comm.size == 1:
+            return F.embedding(idx, self.weight)
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        emb = F.embedding(local.masked_fill(outside, 0), self.weight)     # (B, T, C)
+        return reduce_from_tp(emb.masked_fill(outside[..., None], 0.0), self.comm)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from logits split over the vocabulary (Megatron's vocab-parallel loss).
+    Three per-token all-reduces over TP (max, sum of exp, target logit) replace gathering the
+    (N, V) logits. They are tiny and exact, so they bypass the codecs. Columns >= n_real (vocabulary
+    padding) are excluded; targets == -1 are ignored. Works in place on one (N, V/tp) buffer."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, n_real, group):   # logits: (N, V/tp) fp32, targets: (N,)
+        tp = dist.get_world_size(group) if group is not None else 1
+        n_real = max(0, min(n_real, logits.shape[-1]))
+        m = logits[:, :n_real].max(dim=-1).values if n_real else logits.new_full(logits.shape[:1], -torch.inf)
+        if tp > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        local = targets - start
+        mine = (local >= 0) & (local < n_real)
+        local = local.masked_fill(~mine, 0)
+        p = logits - m[:, None]                                   # (N, V/tp), the one big buffer
+        zt = p.gather(1, local[:, None])[:, 0] * mine
+        p[:, n_real:] = -torch.inf
+        se = p.exp_().sum(dim=-1)
+        if tp > 1:
+            both = torch.stack((zt, se))
+            dist.all_reduce(both, group=group)
+            zt, se = both[0], both[1]
+        valid = targets >= 0
+        nvalid = valid.sum().clamp(min=1)
+        loss = ((se.log() - zt) * valid).sum() / nvalid
+        ctx.save_for_backward(p.div_(se[:, None]), local, mine & valid, valid, nvalid)   # p = softmax
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, local, hit, valid, nvalid = ctx.saved_tensors
+        g = p.mul_(valid[:, None])                                # reuses the softmax buffer
+        g[torch.arange(g.shape[0], device=g.device), local] -= hit.to(g.dtype)
+        return g.mul_(grad / nvalid), None, None, None, None
+
+
+# -----------------------------------------------------------------------------
+# the transformer
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg, comm):
+        super().__init__()
+        self.n_head = cfg.n_head // comm.size        # local heads
+        self.hd = cfg.n_embd // cfg.n_head
+        self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, comm, cfg.bias, parts=3)
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, comm, cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.n_head * self.hd, dim=2)                       # 3 x (B, T, C/tp)
+        q, k, v = (t.view(B, T, self.n_head, self.hd).transpose(1, 2) for t in (q, k, v))  # (B, h/tp, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)                      # (B, T, C/tp)
+        return self.resid_drop(self.proj(y))                                             # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, comm):
+        super().__init__()
+        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, comm, cfg.bias)
+        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, comm, cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))   # GPT-2 GELU; (B, T, 4C/tp) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg, comm):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg, comm)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg, comm)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config, comm=None, seed=0):
+        super().__init__()
+        self.config = config
+        self.comm = comm or TPComm()
+        c = config
+        self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+        self.h = nn.ModuleList([Block(c, self.comm) for _ in range(c.n_layer)])
+        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.init_weights(seed)
+
+    # --- initialisation: full tensors from one generator, then this rank's slice ---
+    def full_shapes(self):
+        """(module, attribute, full shape, std) in a fixed order: the same on every rank and TP degree."""
+        c = self.config
+        proj_std = 0.02 / math.sqrt(2 * c.n_layer)   # GPT-2: scale residual projections
+        yield self.wte, "weight", (c.padded_vocab, c.n_embd), 0.02
+        yield self.wpe, "weight", (c.block_size, c.n_embd), 0.02
+        for b in self.h:
+            yield b.attn.qkv, "weight", (3 * c.n_embd, c.n_embd), 0.02
+            yield b.attn.proj, "weight", (c.n_embd, c.n_embd), proj_std
+            yield b.mlp.fc, "weight", (4 * c.n_embd, c.n_embd), 0.02
+            yield b.mlp.proj, "weight", (c.n_embd, 4 * c.n_embd), proj_std
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for mod, attr, shape, std in self.full_shapes():
+            full = torch.randn(shape, generator=gen) * std
+            part = mod.shard(full) if hasattr(mod, "shard") else full
+            getattr(mod, attr).copy_(part)
+        for m in self.modules():                 # biases zero, LayerNorm weight one
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.bias is not None:
+                m.bias.zero_()
+            if isinstance(m, nn.LayerNorm):
+                m.weight.fill_(1.0)
+                if m.bias is not None:
+                    m.bias.zero_()
+
+    def num_params(self, non_embedding=True):
+        """Parameters of the whole (unsharded) model; tp_split parameters are split evenly."""
+        n = sum(p.numel() * (self.comm.size if getattr(p, "tp_split", False) else 1) for p in self.parameters())
+        return n - (self.wpe.weight.numel() if non_embedding else 0)
+
+    # --- forward ---
+    def forward(self, idx, targets=None):
+        """idx: (B, T) token ids. Returns (logits, loss). logits are this rank's vocabulary slice
+        (B, T, V_padded/tp) — all positions with targets, the last position only without."""
+        B, T = idx.shape
+        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))   # (B, T, C)
+        for block in self.h:
+            x = block(x)
+        x = self.ln_f(x)
+        if targets is None:
+            x = x[:, -1:, :]
+        logits = F.linear(copy_to_tp(x, self.comm), self.wte.weight)              # (B, T, V/tp) tied head
+        if targets is None:
+            return logits, None
+        n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded
+        loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
+                                               self.wte.start, n_real, self.comm.group)
+        return logits, loss
+
+    def full_logits(self, idx):
+        """Last-position logits over the whole vocabulary (gathered over TP): for sampling only."""
+        logits, _ = self(idx)
+        logits = logits[:, -1, :].float().contiguous()                                # (B, V/tp)
+        if self.comm.size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.comm.size)]
+            dist.all_gather(parts, logits, group=self.comm.group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[:, :self.config.vocab_size]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Sample tokens. Under TP every rank must call this with the same idx and an identically
+        seeded generator (all ranks take part in every forward and must draw the same token)."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.config.block_size:]
+            logits = self.full_logits(ctx) / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                logits[logits < v[:, [-1]]] = float("-inf")
+            probs = F.softmax(logits, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+    # --- Hugging Face GPT-2 weights ---
+    @classmethod
+    def from_hf_state_dict(cls, sd, config, comm=None):
+        """Load a Hugging Face `GPT2LMHeadModel` state dict (its Conv1D weights are stored (in, out):
+        transposed here), sliced for this rank. config must match the checkpoint's shapes."""
+        model = cls(config, comm)
+        c = config
+        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+        missing = [k for k in ("wte.weight", "wpe.weight", "ln_f.weight") if k not in sd]
+        if missing or sd["wte.weight"].shape != (c.vocab_size, c.n_embd):
+            raise ValueError(f"state dict does not match {c}: missing {missing} or wte shape "
+                             f"{tuple(sd.get('wte.weight', torch.empty(0)).shape)}")
+        wte = torch.zeros(c.padded_vocab, c.n_embd)
+        wte[:c.vocab_size] = sd["wte.weight"]
+
+        def put(mod, name, full, split=True):
+            getattr(mod, name).data.copy_(mod.shard(full) if split and hasattr(mod, "shard") else full)
+
+        with torch.no_grad():
+            put(model.wte, "weight", wte)
+            put(model.wpe, "weight", sd["wpe.weight"])
+            put(model.ln_f, "weight", sd["ln_f.weight"])
+            if c.bias:
+                put(model.ln_f, "bias", sd["ln_f.bias"])
+            for i, b in enumerate(model.h):
+                p = f"h.{i}."
+                for ln in ("ln_1", "ln_2"):
+                    put(getattr(b, ln), "weight", sd[p + ln + ".weight"])
+                    if c.bias:
+                        put(getattr(b, ln), "bias", sd[p + ln + ".bias"])
+                for mod, hf in ((b.attn.qkv, "attn.c_attn"), (b.attn.proj, "attn.c_proj"),
+                                (b.mlp.fc, "mlp.c_fc"), (b.mlp.proj, "mlp.c_proj")):
+                    put(mod, "weight", sd[p + hf + ".weight"].t())          # Conv1D (in, out) -> (out, in)
+                    if c.bias:
+                        put(mod, "bias", sd[p + hf + ".bias"], split=isinstance(mod, ColumnParallelLinear))
+        return model

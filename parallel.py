@@ -1,0 +1,201 @@
+"""
+Process groups and the communication that tensor parallelism needs.
+
+The rank grid (Megatron convention, tensor-parallel varying fastest):
+
+    ranks = torch.arange(world).view(dp, pp, tp)
+
+so the tp ranks of one model replica are neighbours (same node, fastest link). Every rank belongs
+to one TP group (a row of the grid), one PP group and one DP group.
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3) needs two conjugate operators:
+
+    f = copy_to_tp      forward: identity          backward: all-reduce   (before a column-parallel layer)
+    g = reduce_from_tp  forward: all-reduce        backward: identity     (after a row-parallel layer)
+
+Both go through ONE function, `TPComm.all_reduce`, which is the place where `taco.py` compresses
+the traffic (TACO paper, Fig. 2: the forward g and the backward f carry activations and activation
+gradients of size B*T*C, which is what TACO compresses).
+
+Pipeline parallelism is not implemented yet (pp must be 1). Data parallelism averages gradients
+over the DP group in flat buckets after the backward pass.
+"""
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import taco
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; raised before any work starts, names the fix."""
+
+
+# -----------------------------------------------------------------------------
+# the rank grid
+
+@dataclass
+class Grid:
+    rank: int = 0
+    world: int = 1
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    local_rank: int = 0
+    tp_group: object = None
+    pp_group: object = None
+    dp_group: object = None
+
+
+def check_layout(tp, pp, dp, world, n_head=None, n_embd=None, vocab_size=None, n_layer=None):
+    """Refuse layouts that cannot work, with a message naming the fix. Pure function (testable)."""
+    for name, v in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive integer")
+    if tp * pp * dp != world:
+        raise ConfigError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}: "
+                          f"launch with torchrun --nproc_per_node={tp * pp * dp} or change tp/pp/dp")
+    if pp != 1:
+        raise ConfigError(f"pp={pp}: pipeline parallelism is not implemented yet; set pp=1")
+    if n_head is not None and n_head % tp:
+        raise ConfigError(f"n_head={n_head} is not divisible by tp={tp}: each TP rank must own whole "
+                          f"attention heads; pick tp from the divisors of n_head")
+    if n_embd is not None and n_embd % tp:
+        raise ConfigError(f"n_embd={n_embd} is not divisible by tp={tp}")
+    if n_embd is not None and n_head is not None and n_embd % n_head:
+        raise ConfigError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+    if vocab_size is not None and vocab_size % tp:
+        raise ConfigError(f"the padded vocabulary ({vocab_size}) is not divisible by tp={tp}; "
+                          f"use a power-of-two tp (the vocabulary is padded to a multiple of 128)")
+
+
+def init_grid(tp=1, pp=1, dp=None, backend=None):
+    """Read torchrun's environment, init the default process group and build the TP/PP/DP groups.
+    Without torchrun (no WORLD_SIZE) this is a single process and no group is created."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = world // (tp * pp) if dp is None else dp
+    check_layout(tp, pp, dp, world)
+    if world == 1 and not dist.is_initialized():
+        return Grid(tp=tp, pp=pp, dp=dp)
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=backend)
+    rank = dist.get_rank()
+    grid = Grid(rank=rank, world=world, tp=tp, pp=pp, dp=dp,
+                local_rank=int(os.environ.get("LOCAL_RANK", rank)))
+    ranks = torch.arange(world).view(dp, pp, tp)
+    # every rank must create every group, in the same order (torch.distributed's rule)
+    for d in range(dp):
+        for p in range(pp):
+            g = dist.new_group(ranks[d, p, :].tolist())
+            if rank in ranks[d, p, :].tolist():
+                grid.tp_group = g
+    for d in range(dp):
+        for t in range(tp):
+            g = dist.new_group(ranks[d, :, t].tolist())
+            if rank in ranks[d, :, t].tolist():
+                grid.pp_group = g
+    for p in range(pp):
+        for t in range(tp):
+            g = dist.new_group(ranks[:, p, t].tolist())
+            if rank in ranks[:, p, t].tolist():
+                grid.dp_group = g
+    (grid.dp_rank,), (grid.pp_rank,), (grid.tp_rank,) = [
+        x.tolist() for x in (ranks == rank).nonzero(as_tuple=True)]
+    return grid
+
+
+# -----------------------------------------------------------------------------
+# the one TP all-reduce, and the f / g operators built on it
+
+@dataclass
+class TPComm:
+    """Everything a tensor-parallel layer needs to talk to its TP peers.
+
+    fwd_codec compresses the forward all-reduce (g: activations after a row-parallel layer);
+    bwd_codec the backward one (f: activation gradients before a column-parallel layer).
+    "none" is a plain torch.distributed.all_reduce."""
+    group: object = None
+    size: int = 1
+    rank: int = 0
+    fwd_codec: str = "none"
+    bwd_codec: str = "none"
+    block_size: int = 256
+    chunks: int = 1
+    min_bytes: int = taco.DEFAULT_MIN_BYTES
+    stats: taco.CommStats = field(default_factory=taco.CommStats)
+    capture: list = None         # if a list: (direction, copy of x) of every call is appended
+
+    def all_reduce(self, x, direction):
+        """SUM over the TP group, in place, returning x. THE single entry point for TP traffic."""
+        if self.size == 1:
+            return x
+        if self.capture is not None:
+            self.capture.append((direction, x.detach().clone()))
+        codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
+        return taco.all_reduce(x, group=self.group, codec=codec, block_size=self.block_size,
+                               chunks=self.chunks, min_bytes=self.min_bytes, stats=self.stats)
+
+
+def tp_comm_from_grid(grid, **kw):
+    return TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, **kw)
+
+
+class CopyToTP(torch.autograd.Function):
+    """f (Megatron Eq. 3 / Fig. 3a): identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_reduce(grad.contiguous(), "bwd"), None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g (Megatron Fig. 3b): all-reduce forward (summing row-parallel partial outputs), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x.contiguous(), "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp(x, comm):
+    return x if comm.size == 1 else CopyToTP.apply(x, comm)
+
+
+def reduce_from_tp(x, comm):
+    return x if comm.size == 1 else ReduceFromTP.apply(x, comm)
+
+
+# -----------------------------------------------------------------------------
+# data parallelism
+
+def sync_dp_grads(params, group, world, bucket_numel=2 ** 24):
+    """Average gradients over the DP group: pack into flat fp32 buckets, one all-reduce each."""
+    if world == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    i = 0
+    while i < len(grads):
+        bucket, n = [], 0
+        while i < len(grads) and (not bucket or n + grads[i].numel() <= bucket_numel):
+            bucket.append(grads[i])
+            n += grads[i].numel()
+            i += 1
+        flat = torch.cat([g.reshape(-1).float() for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat /= world
+        for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
+            g.copy_(piece.view_as(g))

@@ -1,0 +1,169 @@
+"""Tensor-parallel operators, layers and the whole model against their single-rank equivalents (gloo)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parallel
+from launcher import run_ranks
+from model import (GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelCrossEntropy)
+
+
+def comm_for(rank, world, **kw):
+    return parallel.TPComm(group=dist.group.WORLD, size=world, rank=rank, **kw)
+
+
+# --- f and g: exact integer checks ---------------------------------------------------------------
+
+def _ops(rank, world):
+    comm = comm_for(rank, world)
+    x = (torch.ones(3, 5) * (rank + 1)).requires_grad_()
+    y = parallel.copy_to_tp(x, comm)
+    y.backward(torch.ones(3, 5) * (rank + 1))          # f backward: all-reduce of the gradient
+    fx, fgrad = y.detach().clone(), x.grad.clone()
+    x2 = (torch.ones(3, 5) * (rank + 1)).requires_grad_()
+    z = parallel.reduce_from_tp(x2, comm)               # g forward: all-reduce
+    z.backward(torch.ones(3, 5) * (rank + 1))          # g backward: identity
+    return fx, fgrad, z.detach().clone(), x2.grad.clone()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_f_and_g_are_exact(world):
+    total = world * (world + 1) // 2
+    for rank, (fx, fgrad, gz, ggrad) in enumerate(run_ranks(_ops, world)):
+        assert torch.equal(fx, torch.ones(3, 5) * (rank + 1))
+        assert torch.equal(fgrad, torch.ones(3, 5) * total)
+        assert torch.equal(gz, torch.ones(3, 5) * total)
+        assert torch.equal(ggrad, torch.ones(3, 5) * (rank + 1))
+
+
+def test_group_of_one_skips_communication():
+    comm = parallel.TPComm()             # no process group at all
+    x = torch.randn(4)
+    assert parallel.reduce_from_tp(x, comm) is x and parallel.copy_to_tp(x, comm) is x
+
+
+# --- column / row parallel linear vs nn.Linear ---------------------------------------------------
+
+def _linears(rank, world):
+    torch.manual_seed(0)
+    comm = comm_for(rank, world)
+    ref1, ref2 = nn.Linear(8, 12), nn.Linear(12, 6)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    col, row = ColumnParallelLinear(8, 12, comm), RowParallelLinear(12, 6, comm)
+    with torch.no_grad():
+        col.weight.copy_(col.shard(ref1.weight)); col.bias.copy_(col.shard(ref1.bias))
+        row.weight.copy_(row.shard(ref2.weight)); row.bias.copy_(ref2.bias)
+    xp = x.detach().clone().requires_grad_()
+    y = row(F.gelu(col(xp)))
+    y_ref = ref2(F.gelu(ref1(x)))
+    g = torch.randn_like(y_ref)
+    y.backward(g)
+    y_ref.backward(g)
+    return dict(y=(y, y_ref), dx=(xp.grad, x.grad),
+                w1=(col.weight.grad, col.shard(ref1.weight.grad)), b1=(col.bias.grad, col.shard(ref1.bias.grad)),
+                w2=(row.weight.grad, row.shard(ref2.weight.grad)), b2=(row.bias.grad, ref2.bias.grad))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_column_row_parallel_match_nn_linear(world):
+    # fp32; the TP partial sums are added in a different order than one matmul: rounding only
+    for res in run_ranks(_linears, world):
+        for name, (ours, ref) in res.items():
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# --- vocab-parallel cross-entropy vs F.cross_entropy ---------------------------------------------
+
+def _xent(rank, world):
+    torch.manual_seed(1)
+    full = torch.randn(10, 16) * 3
+    targets = torch.randint(0, 14, (10,))
+    targets[3] = -1                               # ignored position
+    local = full.chunk(world, dim=1)[rank].clone().requires_grad_()
+    loss = VocabParallelCrossEntropy.apply(local, targets, rank * 16 // world, 14 - rank * 16 // world,
+                                           dist.group.WORLD)
+    loss.backward()
+    ref_in = full.clone().requires_grad_()
+    ref = F.cross_entropy(ref_in[:, :14], targets, ignore_index=-1)   # columns 14, 15 are padding
+    ref.backward()
+    return loss.detach(), ref.detach(), local.grad, ref_in.grad.chunk(world, dim=1)[rank]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_cross_entropy(world):
+    for loss, ref, grad, ref_grad in run_ranks(_xent, world):
+        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+
+
+# --- the whole model: TP=N vs TP=1 -----------------------------------------------------------------
+
+CFG = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=4, n_embd=32, bias=True)
+
+
+def _train_steps(model, steps=5):
+    """A few AdamW steps on one fixed random batch; returns the losses and the first step's gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
+    y = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
+    losses, grads = [], None
+    for _ in range(steps):
+        _, loss = model(x, y)
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _shard_like(model_tp, name, full):
+    """Slice a TP=1 tensor the way the TP model's parameter `name` is sliced."""
+    mod = model_tp.get_submodule(name.rsplit(".", 1)[0])
+    p = model_tp.get_parameter(name)
+    if not getattr(p, "tp_split", False):
+        return full
+    return mod.shard(full)
+
+
+def _model_tp_vs_single(rank, world):
+    ref = GPT(CFG, seed=3)                                   # TP=1, every rank builds it
+    ref_losses, ref_grads = _train_steps(ref)
+    tp_model = GPT(CFG, comm_for(rank, world), seed=3)
+    init_equal = all(torch.equal(p, _shard_like(tp_model, n, q))
+                     for (n, p), q in zip(tp_model.named_parameters(), GPT(CFG, seed=3).parameters()))
+    losses, grads = _train_steps(tp_model)
+    grad_pairs = {n: (g, _shard_like(tp_model, n, ref_grads[n])) for n, g in grads.items()}
+    return init_equal, losses, ref_losses, grad_pairs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_tp_matches_single_rank(world):
+    # Same initial parameters bit for bit (full init from the seed, then sliced). Losses and
+    # gradients differ only by fp32 summation order (partial sums over TP ranks, split softmax):
+    # relative 1e-5 on the loss and 1e-4 (rtol) / 1e-6 (atol) on gradients after one step.
+    for init_equal, losses, ref_losses, grads in run_ranks(_model_tp_vs_single, world):
+        assert init_equal
+        assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
+        assert losses == pytest.approx(ref_losses, rel=1e-5)        # the loss curve over 5 AdamW steps
+        assert losses[-1] < losses[0] - 0.01                        # and it is learning
+        for name, (g, ref) in grads.items():
+            torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --- configuration checks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tp=2, pp=1, dp=1, world=4), "world size is 4"),
+    (dict(tp=3, pp=1, dp=1, world=3, n_head=4), "n_head=4 is not divisible by tp=3"),
+    (dict(tp=2, pp=2, dp=1, world=4), "pipeline parallelism is not implemented"),
+    (dict(tp=0, pp=1, dp=1, world=1), "must be a positive integer"),
+    (dict(tp=5, pp=1, dp=1, world=5, n_head=5, n_embd=80, vocab_size=50304), "vocabulary"),
+])
+def test_bad_layouts_are_refused(kw, message):
+    with pytest.raises(parallel.ConfigError, match=message):
+        parallel.check_layout(**kw)
