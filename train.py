@@ -1,0 +1,355 @@
+"""
+Train a tensor-parallel GPT, optionally with compressed TP all-reduces.
+
+    python train.py                                            # one process, the CPU demo defaults
+    torchrun --nproc_per_node=2 train.py configs/demo.py       # TP=2 on CPU (gloo) or GPU (NCCL)
+    torchrun --nproc_per_node=2 train.py configs/gpt2s.py --tp_codec=taco --max_iters=200
+    torchrun --nproc_per_node=2 train.py configs/demo.py --resume  # continue from out_dir
+
+Config (nanoGPT style): the globals below are the defaults; a config file is plain assignments
+that override them; --key=value overrides are type-checked against the default's type.
+"""
+import ast
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import parallel
+import taco
+from model import GPT, GPTConfig
+
+# -----------------------------------------------------------------------------
+# defaults (the embedded default is the CPU demo: a tiny GPT on ~1 MB of Shakespeare)
+out_dir = "out"
+dataset = "small"               # data/<dataset>/{train,val}.bin (python data/prepare.py small)
+# model
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 64
+dropout = 0.0
+bias = True
+# batch: tokens per step = batch_size * block_size * gradient_accumulation_steps * dp
+batch_size = 16
+gradient_accumulation_steps = 1
+# optimizer: AdamW, linear warmup then cosine decay to min_lr
+learning_rate = 2e-3
+min_lr = 2e-4
+max_iters = 300
+warmup_iters = 30
+lr_decay_iters = 300
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+# evaluation, logging, checkpoints
+eval_interval = 100
+eval_iters = 10
+log_interval = 10
+ckpt_interval = 0               # 0: only at the end
+resume = False
+progress = True                 # tqdm bar on rank 0
+sample_tokens = 120             # sample this many tokens at the end (0: none)
+sample_prompt = "\n"
+# parallelism: world = tp * pp * dp (dp is derived)
+tp = 1
+pp = 1
+# tensor-parallel compression (taco.py): codec for forward activations / backward gradients
+tp_codec = "none"
+tp_codec_bwd = ""               # "" = same as tp_codec
+codec_block = 256
+taco_chunks = 1
+taco_min_bytes = 0
+# system
+seed = 1337
+device = "auto"                 # auto | cpu | cuda
+dtype = "auto"                  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+compile = False
+peak_flops = 989e12             # per-GPU dense bf16 peak for MFU (H100/H200 SXM datasheet)
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in list(globals().items()) if not k.startswith("_")
+               and isinstance(v, (int, float, bool, str))]
+
+
+def configure(g, argv):
+    """Apply a config file (plain assignments) and --key=value overrides to the globals dict g."""
+    for arg in argv:
+        if not arg.startswith("--"):
+            if not os.path.exists(arg):
+                raise SystemExit(f"config file {arg} not found")
+            with open(arg) as f:
+                exec(f.read(), g)
+            continue
+        key, _, val = arg[2:].partition("=")
+        if key not in g or key not in config_keys:
+            raise SystemExit(f"unknown config key --{key}; known keys: {', '.join(config_keys)}")
+        if val == "" and isinstance(g[key], bool):
+            val = "True"
+        try:
+            v = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            v = val
+        if isinstance(g[key], float) and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if type(v) is not type(g[key]):
+            raise SystemExit(f"--{key}={val}: expected {type(g[key]).__name__}, got {type(v).__name__}")
+        g[key] = v
+
+
+def check_config(cfg, world):
+    """Everything that can be refused before launch."""
+    mc = GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                   n_embd=cfg["n_embd"])
+    if world % (cfg["tp"] * cfg["pp"]):
+        raise parallel.ConfigError(f"world size {world} is not divisible by tp*pp = {cfg['tp'] * cfg['pp']}: "
+                                   f"launch with a multiple of {cfg['tp'] * cfg['pp']} processes")
+    parallel.check_layout(cfg["tp"], cfg["pp"], world // (cfg["tp"] * cfg["pp"]), world,
+                          mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
+    for k in ("tp_codec", "tp_codec_bwd"):
+        if cfg[k] not in ("", "none") and cfg[k] not in taco.CODECS:
+            raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from none, {', '.join(taco.CODECS)}")
+    if cfg["device"] == "cuda" and not torch.cuda.is_available():
+        raise parallel.ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
+    for split in ("train", "val"):
+        path = os.path.join("data", cfg["dataset"], f"{split}.bin")
+        if not os.path.exists(path):
+            raise parallel.ConfigError(f"{path} is missing: run  python data/prepare.py {cfg['dataset']}")
+
+
+class Batches:
+    """Random windows from a uint16 memmap. Stateless: the batch for (iteration, micro-step,
+    dp rank) is a pure function of the seed, so resuming from a checkpoint is bit-exact."""
+
+    def __init__(self, dataset, block_size, batch_size, seed, dp_rank, device):
+        self.data = {s: np.memmap(os.path.join("data", dataset, f"{s}.bin"), dtype=np.uint16, mode="r")
+                     for s in ("train", "val")}
+        self.T, self.B, self.seed, self.dp_rank, self.device = block_size, batch_size, seed, dp_rank, device
+
+    def get(self, split, it, micro=0):
+        data = self.data[split]
+        key = (((self.seed * 1_000_003 + (split == "val")) * 1_000_003 + it) * 1009 + micro) * 1009 + self.dp_rank
+        g = torch.Generator().manual_seed(key % 2 ** 62)
+        ix = torch.randint(len(data) - self.T - 1, (self.B,), generator=g).tolist()
+        x = torch.stack([torch.from_numpy(data[i:i + self.T].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+def get_lr(it, c):
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it > c["lr_decay_iters"]:
+        return c["min_lr"]
+    ratio = (it - c["warmup_iters"]) / max(1, c["lr_decay_iters"] - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
+
+
+def clip_grad_norm(params, max_norm, tp_group):
+    """Global gradient norm over the whole (sharded) model: the squares of TP-split parameters are
+    summed over the TP group, replicated ones counted once."""
+    split = [p.grad for p in params if p.grad is not None and getattr(p, "tp_split", False)]
+    repl = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_split", False)]
+    sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros(())
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sq, group=tp_group)
+    if repl:
+        sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum().to(sq.device)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+    return norm
+
+
+def ckpt_path(out, grid):
+    return os.path.join(out, f"ckpt_tp{grid.tp_rank}_pp{grid.pp_rank}.pt")
+
+
+def save_checkpoint(out, grid, model, opt, it, cfg):
+    """One file per (tp, pp) rank, written by dp rank 0: temp file + rename, so a crash mid-write
+    never leaves a torn checkpoint."""
+    if grid.dp_rank == 0:
+        os.makedirs(out, exist_ok=True)
+        path = ckpt_path(out, grid)
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter": it, "config": cfg,
+                    "layout": [grid.tp, grid.pp]}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if grid.world > 1:
+        dist.barrier()
+
+
+def main():
+    g = globals()
+    configure(g, sys.argv[1:])
+    cfg = {k: g[k] for k in config_keys}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_config(cfg, world)
+    except parallel.ConfigError as e:
+        raise SystemExit(f"config error: {e}")
+
+    # === processes, devices, groups ===
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    grid = parallel.init_grid(tp=tp, pp=pp)
+    dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    ptdtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "float32": torch.float32,
+               "bfloat16": torch.bfloat16}[dtype]
+    master = grid.rank == 0
+    if master:
+        print("config:", json.dumps(cfg, sort_keys=True))
+        print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {dev} | {ptdtype}")
+    torch.manual_seed(seed)
+    if use_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    # === model, optimizer ===
+    comm = parallel.tp_comm_from_grid(grid, fwd_codec=tp_codec, bwd_codec=tp_codec_bwd or tp_codec,
+                                      block_size=codec_block, chunks=taco_chunks, min_bytes=taco_min_bytes)
+    mcfg = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                     dropout=dropout, bias=bias)
+    model = GPT(mcfg, comm, seed=seed).to(dev)
+    params = list(model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=learning_rate, betas=(beta1, beta2), fused=use_cuda)
+    it0 = 0
+    if resume:
+        path = ckpt_path(out_dir, grid)
+        if not os.path.exists(path):
+            raise SystemExit(f"--resume: no checkpoint at {path}")
+        ck = torch.load(path, map_location=dev, weights_only=False)
+        if ck["layout"] != [grid.tp, grid.pp]:
+            raise SystemExit(f"checkpoint layout tp,pp={ck['layout']} but this run has {[grid.tp, grid.pp]}")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optimizer"])
+        it0 = ck["iter"]
+        if master:
+            print(f"resumed from {out_dir} at iteration {it0}")
+    fwd_model = torch.compile(model) if compile else model
+    if master:
+        print(f"model: {model.num_params() / 1e6:.2f} M parameters (non-embedding), "
+              f"{model.num_params(False) / 1e6:.2f} M in all")
+
+    batches = Batches(dataset, block_size, batch_size, seed, grid.dp_rank, dev)
+    autocast = torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32)
+    tokens_per_iter = batch_size * block_size * gradient_accumulation_steps * grid.dp
+    flops_per_iter = (6 * model.num_params() + 12 * n_layer * n_embd * block_size) * tokens_per_iter
+
+    @torch.no_grad()
+    def evaluate(it):
+        model.eval()
+        out = {}
+        for split in ("train", "val"):
+            losses = torch.zeros(eval_iters, device=dev)
+            for k in range(eval_iters):
+                x, y = batches.get(split, -1 - it, k)     # negative "iterations": never a training batch
+                with autocast:
+                    losses[k] = fwd_model(x, y)[1]
+            loss = losses.mean()
+            if grid.dp > 1:
+                dist.all_reduce(loss, group=grid.dp_group)
+                loss /= grid.dp
+            out[split] = loss.item()
+        model.train()
+        return out
+
+    # === the loop ===
+    bar = None
+    if master and progress:
+        from tqdm import tqdm
+        bar = tqdm(total=max_iters, initial=it0, desc="train", unit="it", dynamic_ncols=True, leave=False)
+    log = bar.write if bar is not None else print
+    if master:
+        os.makedirs(out_dir, exist_ok=True)
+        jlog = open(os.path.join(out_dir, "log.jsonl"), "a" if resume else "w")   # machine-readable log
+
+    def record(**kv):
+        if master:
+            jlog.write(json.dumps(kv) + "\n")
+            jlog.flush()
+    t0, loss_sum, nsum = time.time(), 0.0, 0
+    for it in range(it0, max_iters):
+        lr = get_lr(it, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(seed + 100003 * it + grid.dp_rank)   # dropout RNG: stateless, same on TP peers
+        comm.stats.reset()
+        for micro in range(gradient_accumulation_steps):
+            x, y = batches.get("train", it, micro)
+            with autocast:
+                _, loss = fwd_model(x, y)
+            (loss / gradient_accumulation_steps).backward()
+        parallel.sync_dp_grads(params, grid.dp_group, grid.dp)
+        gnorm = clip_grad_norm(params, grad_clip, grid.tp_group)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lossf = loss.detach()
+        if grid.dp > 1:
+            dist.all_reduce(lossf, group=grid.dp_group)
+            lossf /= grid.dp
+        lossf = lossf.item()                                 # one host sync per step (logging)
+        if not math.isfinite(lossf):
+            raise SystemExit(f"step {it}: loss is {lossf} (gradient norm {gnorm.item():.3g}). Stopping. "
+                             f"Try a lower --learning_rate, --grad_clip, or --tp_codec=none to rule out the codec.")
+        loss_sum, nsum = loss_sum + lossf, nsum + 1
+        if bar is not None:
+            bar.update(1)
+        if (it + 1) % log_interval == 0 or it == it0:
+            if use_cuda:
+                torch.cuda.synchronize()
+            dt = (time.time() - t0) / nsum
+            line = (f"step {it + 1:6d} | loss {loss_sum / nsum:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | "
+                    f"{tokens_per_iter / dt:9.0f} tok/s")
+            if use_cuda:
+                line += f" | mfu {100 * flops_per_iter / (dt * grid.world * peak_flops):5.1f}%"
+            if grid.tp > 1:
+                s = comm.stats
+                line += (f" | tp {s.calls:3d} ar {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}")
+            if master:
+                log(line)
+            record(iter=it + 1, loss=loss_sum / nsum, lr=lr, ms=dt * 1000, tok_s=tokens_per_iter / dt,
+                   tp_wire_bytes=comm.stats.wire_bytes, tp_ratio=comm.stats.ratio)
+            t0, loss_sum, nsum = time.time(), 0.0, 0
+        last = it + 1 == max_iters
+        if eval_interval and ((it + 1) % eval_interval == 0 or last):
+            ev = evaluate(it)
+            if master:
+                log(f"step {it + 1:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}")
+            record(iter=it + 1, train_loss=ev["train"], val_loss=ev["val"])
+            t0 = time.time()
+        if (ckpt_interval and (it + 1) % ckpt_interval == 0) or last:
+            save_checkpoint(out_dir, grid, model, opt, it + 1, cfg)
+    if bar is not None:
+        bar.close()
+
+    # === a sample, so you can see what it learned ===
+    if sample_tokens > 0:
+        from data.tokenizer import get_encoding
+        enc = get_encoding()
+        model.eval()
+        idx = torch.tensor([enc.encode_ordinary(sample_prompt)], device=dev)
+        gen = torch.Generator().manual_seed(seed)             # identical on every TP rank
+        with autocast:
+            out = model.generate(idx, sample_tokens, temperature=0.8, top_k=100, generator=gen)
+        if master:
+            print("sample:\n" + enc.decode(out[0].tolist()))
+    if grid.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
