@@ -109,9 +109,117 @@ def bench_codecs(world=4, steps=100):
     table(rows, ["codec", "bytes/elem", "fwd rel err", "bwd rel err", "worst rel err", "SNR dB"])
 
 
+# -----------------------------------------------------------------------------
+# GPU timing
+
+def cuda_time(fn, iters=20, warmup=3, before=None):
+    """Median time in microseconds of fn() over `iters` runs, each bracketed by CUDA events
+    (`before`, e.g. restoring an in-place input, runs outside the events)."""
+    for _ in range(warmup):
+        if before:
+            before()
+        fn()
+    times = []
+    for _ in range(iters):
+        if before:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    ts = sorted(a.elapsed_time(b) * 1000 for a, b in times)
+    return ts[len(ts) // 2]
+
+
+def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)):
+    """Fused compress / decompress / reduce-compress GB/s (bytes read + written) on bf16 input,
+    next to a device-to-device copy (the ceiling) and the unfused PyTorch reference, same run."""
+    taco.load_kernels()
+    rows = []
+    for m in sizes_m:
+        n = m * 2 ** 20
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty_like(x)
+        t_copy = cuda_time(lambda: y.copy_(x))
+        copy_gbs = 4 * n / t_copy / 1e3
+        rows.append({"elements": f"{m}M", "op": "copy (ceiling)", "codec": "-", "us": f"{t_copy:.1f}",
+                     "GB/s": f"{copy_gbs:.0f}", "% of copy": "100"})
+        for name in codecs:
+            cd = taco.get_codec(name)
+            S = cd.nbytes(n)
+            buf = cd.encode(x, 1, n)
+            half = cd.encode(x, 2, n // 2)
+            ops = [("compress", lambda: cd.encode(x, 1, n), 2 * n + S),
+                   ("decompress", lambda: cd.decode(buf, n, n, torch.bfloat16, out=y), S + 2 * n),
+                   ("reduce-compress P=2", lambda: cd.reduce_encode(half, n // 2), 3 * cd.nbytes(n // 2))]
+            if m <= 64:
+                ops.append(("compress, unfused torch", lambda: cd._encode_ref(x, 1, n), 2 * n + S))
+            for op, fn, nbytes in ops:
+                t = cuda_time(fn, iters=5 if "unfused" in op else 20)
+                gbs = nbytes / t / 1e3
+                rows.append({"elements": f"{m}M", "op": op, "codec": name, "us": f"{t:.1f}", "GB/s": f"{gbs:.0f}",
+                             "% of copy": f"{100 * gbs / copy_gbs:.0f}"})
+        del x, y
+        torch.cuda.empty_cache()
+    save("kernels", rows, note="GB/s = (bytes read + bytes written) / median time; input bf16")
+    table(rows, ["elements", "op", "codec", "us", "GB/s", "% of copy"])
+
+
+def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
+    """taco.all_reduce vs torch.distributed.all_reduce (NCCL, bf16), same run. Run under torchrun.
+    algbw on LOGICAL bytes (the bf16 tensor), nccl-tests convention."""
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    taco.load_kernels()
+    variants = [("nccl bf16", "none", 1), ("hint8", "hint8", 1), ("hint8", "hint8", 2), ("hint8", "hint8", 4),
+                ("taco", "taco", 1), ("taco", "taco", 2), ("hint6", "hint6", 2)]
+    rows = []
+    for mb in sizes_mb:
+        n = mb * 2 ** 20 // 2
+        gen = torch.Generator(device="cuda").manual_seed(rank)
+        src = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+        x = torch.empty_like(src)
+        exact = src.float()
+        dist.all_reduce(exact)
+        t_nccl = None
+        for label, codec, chunks in variants:
+            run = (lambda: dist.all_reduce(x)) if codec == "none" else \
+                  (lambda: taco.all_reduce(x, codec=codec, chunks=chunks))
+            x.copy_(src)
+            run()
+            # every rank must hold the same bits, and the result must be close to the exact sum
+            h = torch.stack([x.view(torch.int16).long().sum(), (x.view(torch.int16).long() * 31).remainder(65521).sum()])
+            hs = [torch.empty_like(h) for _ in range(world)]
+            dist.all_gather(hs, h)
+            identical = all(torch.equal(hs[0], o) for o in hs)
+            err = ((x.float() - exact).norm() / exact.norm()).item()
+            dist.barrier()
+            t = cuda_time(run, iters=20, warmup=3, before=lambda: x.copy_(src))
+            t = torch.tensor(t, device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)             # the slowest rank's median
+            t = t.item()
+            t_nccl = t if codec == "none" else t_nccl
+            rows.append({"MB": mb, "variant": label, "chunks": chunks, "us": f"{t:.0f}",
+                         "algbw GB/s": f"{2 * n / t / 1e3:.0f}", "vs nccl": f"{t_nccl / t:.2f}x",
+                         "rel err": f"{err:.1e}", "identical": "yes" if identical else "NO"})
+    if rank == 0:
+        save(f"collective_{tag}", rows, world=world, tag=tag,
+             env_vars={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE")})
+        print(f"\ncompressed all-reduce vs NCCL bf16, {world} GPUs, {tag}:")
+        table(rows, ["MB", "variant", "chunks", "us", "algbw GB/s", "vs nccl", "rel err", "identical"])
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "codecs"
     if what == "codecs":
         bench_codecs()
+    elif what == "kernels":
+        bench_kernels()
+    elif what == "collective":
+        bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
         raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective")

@@ -171,8 +171,9 @@ def dequantize(b, fmt):
 class Codec:
     """A codec = a spec + block size (+ tau, eps for the adaptive scale).
 
-    encode(x: (M, L)) -> (M, S) uint8   M messages of L elements each (L a multiple of B)
-    decode(buf: (M, S), L) -> (M, L) fp32
+    encode(x, M, L) -> (M, S) uint8     x: 1-D, n <= M*L elements (zero-padded past n); message m
+                                        holds elements [m*L, (m+1)*L); L a multiple of B
+    decode(buf, L, n, dtype, out) -> 1-D tensor of the first n elements of the M messages
     reduce_encode(buf: (P, S), L) -> (S,) uint8   decode P messages, sum in fp32 in order, re-encode
     compress(x) -> 1-D uint8;  decompress(buf, shape, dtype);  roundtrip(x)   (any shape and size)
 
@@ -196,22 +197,28 @@ class Codec:
         return cdiv(n, self.B) * self.B
 
     def nbytes(self, L):
-        """Bytes of one message of L elements (L a multiple of B)."""
+        """Bytes of one message of L elements (L a multiple of B), padded to a multiple of 16
+        (so every message starts 16-byte aligned in a (M, S) buffer)."""
         nb = L // self.B
-        return nb * self.B * self.bits // 8 + nb * self.nmeta * 4 + (4 if self.spec.scale == "tensor" else 0)
+        raw = nb * self.B * self.bits // 8 + nb * self.nmeta * 4 + (4 if self.spec.scale == "tensor" else 0)
+        return cdiv(raw, 16) * 16
+
+    def _kernel_ok(self, t):
+        return t.is_cuda and _use_kernels() and kernels_support(self)
 
     # === encode ===
-    def encode(self, x):
-        M, L = x.shape
-        assert L % self.B == 0, "messages are padded to whole blocks"
-        if x.is_cuda and _use_kernels() and kernels_support(self):
-            return _kernels().encode(self, x)
-        return self._encode_ref(x)
+    def encode(self, x, M, L):
+        assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
+        if self._kernel_ok(x):
+            return _kernels().encode(self, x, M, L)
+        return self._encode_ref(x, M, L)
 
-    def _encode_ref(self, x):
-        sp, B, M, L = self.spec, self.B, x.shape[0], x.shape[1]
+    def _encode_ref(self, x, M, L):
+        sp, B = self.spec, self.B
         nb = L // B
-        g = x.float().reshape(M, nb, B)
+        g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
+        g[:x.numel()] = x
+        g = g.view(M, nb, B)
         bad = ~torch.isfinite(g).all(dim=-1)                     # (M, nb) blocks that hold NaN/Inf
         # === Eq. 6-7: adaptive scale ===
         if sp.adaptive:
@@ -244,8 +251,8 @@ class Codec:
             q = torch.where(nonfinite, torch.full_like(q, E4M3_NAN), q)
         else:
             q = quantize(torch.where(bad[..., None], torch.zeros_like(y), y), sp.fmt)
-        # === pack: payload | per-block (alpha, s) | tensor scale ===
-        nan = torch.tensor(float("nan"))
+        # === pack: payload | per-block (alpha, s) | tensor scale | zero padding to 16 bytes ===
+        nan = torch.tensor(float("nan"), device=x.device)
         parts = [q.reshape(M, -1)]
         meta = []
         if sp.adaptive:
@@ -256,13 +263,19 @@ class Codec:
             parts.append(torch.stack(meta, dim=-1).reshape(M, -1).contiguous().view(torch.uint8))
         if sp.scale == "tensor":
             parts.append(torch.where(tbad, nan, s).reshape(M, 1).contiguous().view(torch.uint8))
-        return torch.cat(parts, dim=1)
+        out = torch.cat(parts, dim=1)
+        pad = self.nbytes(L) - out.shape[1]
+        return torch.cat((out, out.new_zeros(M, pad)), dim=1) if pad else out
 
     # === decode ===
-    def decode(self, buf, L):
-        if buf.is_cuda and _use_kernels() and kernels_support(self):
-            return _kernels().decode(self, buf, L)
-        return self._decode_ref(buf, L)
+    def decode(self, buf, L, n=None, dtype=torch.float32, out=None):
+        """First n (default all) elements of the M messages in buf, as dtype; written into `out`
+        (1-D, n elements) if given."""
+        n = buf.shape[0] * L if n is None else n
+        if self._kernel_ok(buf):
+            return _kernels().decode(self, buf, L, n, dtype if out is None else out.dtype, out)
+        y = self._decode_ref(buf, L).reshape(-1)[:n].to(dtype)
+        return y if out is None else out.copy_(y)
 
     def _decode_ref(self, buf, L):
         sp, B, M = self.spec, self.B, buf.shape[0]
@@ -273,7 +286,8 @@ class Codec:
         if sp.scale == "block":
             y = y * meta[..., -1:]
         elif sp.scale == "tensor":
-            y = y * buf[:, -4:].contiguous().view(torch.float32).reshape(M, 1, 1)
+            tpos = pay + nb * self.nmeta * 4
+            y = y * buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
         if sp.rotate:
             y = fwht(y) * self.c
         if sp.adaptive:
@@ -282,28 +296,26 @@ class Codec:
 
     def reduce_encode(self, buf, L):
         """Decode P messages, sum in fp32 in message order 0..P-1, re-encode as one message."""
-        if buf.is_cuda and _use_kernels() and kernels_support(self):
+        if self._kernel_ok(buf):
             return _kernels().reduce_encode(self, buf, L)
         parts = self._decode_ref(buf, L)
         acc = parts[0]
         for r in range(1, parts.shape[0]):
             acc = acc + parts[r]
-        return self._encode_ref(acc[None])[0]
+        return self._encode_ref(acc, 1, L)[0]
 
     # === whole tensors ===
     def compress(self, x):
         n = x.numel()
         if n == 0:                                                 # nothing to encode (a tensor scale of 0)
             return torch.zeros(self.nbytes(0), dtype=torch.uint8, device=x.device)
-        flat = torch.zeros(self.padded(n), dtype=torch.float32, device=x.device)
-        flat[:n] = x.reshape(-1)
-        return self.encode(flat[None])[0]
+        return self.encode(x.reshape(-1), 1, self.padded(n))[0]
 
     def decompress(self, buf, shape, dtype=torch.float32):
         n = math.prod(shape)
         if n == 0:
             return torch.zeros(shape, dtype=dtype, device=buf.device)
-        return self.decode(buf[None], self.padded(n))[0, :n].reshape(shape).to(dtype)
+        return self.decode(buf[None], self.padded(n), n, dtype).reshape(shape)
 
     def roundtrip(self, x):
         return self.decompress(self.compress(x), x.shape, x.dtype)
@@ -323,9 +335,11 @@ def get_codec(name, block_size=256, tau=1.0, eps=1e-30):
 
 
 # -----------------------------------------------------------------------------
-# the fused CUDA kernels (taco_kernels.cu), JIT-built on first use
+# the fused CUDA kernels (taco_kernels.cu), JIT-built on first use into build/taco_kernels
 
 _KERNELS = None
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_FMT_CODE = {"e4m3": 0, "e5m2": 1, "int8": 2, "int6": 3}
 
 
 def _use_kernels():
@@ -333,17 +347,70 @@ def _use_kernels():
 
 
 def kernels_support(codec):
-    """The kernels cover block- and scale-free codecs; the per-tensor-scale ablations
-    (`fp8-tensor`, `hadamard`) need a grid-wide absmax and run on the reference."""
-    return codec.spec.scale != "tensor"
+    """The kernels are built for B = 256 and cover the block- and scale-free codecs; the
+    per-tensor-scale ablations (`fp8-tensor`, `hadamard`) need a grid-wide absmax and other block
+    sizes need other register layouts: those run on the reference, also on the GPU."""
+    return codec.spec.scale != "tensor" and codec.B == 256
+
+
+class _Kernels:
+    """Thin wrapper: codec -> the kernel's parameter vectors, and output allocation."""
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    @staticmethod
+    def params(cd, L):
+        sp = cd.spec
+        ip = [_FMT_CODE[sp.fmt], int(sp.adaptive), int(sp.rotate), int(sp.scale == "block"), cd.nmeta,
+              L, cd.nbytes(L)]
+        return ip, [cd.tau, cd.eps, cd.c, QMAX[sp.fmt]]
+
+    def encode(self, cd, x, M, L):
+        return self.ext.encode(x.contiguous(), M, *self.params(cd, L))
+
+    def decode(self, cd, buf, L, n, dtype, out=None):
+        target = out if out is not None and out.is_contiguous() else torch.empty(n, dtype=dtype, device=buf.device)
+        self.ext.decode(buf.contiguous(), target, *self.params(cd, L))
+        if out is not None and target is not out:
+            out.copy_(target)
+            return out
+        return target
+
+    def reduce_encode(self, cd, buf, L):
+        return self.ext.reduce_encode(buf.contiguous(), *self.params(cd, L))
+
+
+def load_kernels(verbose=False):
+    """Build (first time: ~1 min for the binding; after a kernel edit: seconds, ninja rebuilds only
+    taco_kernels.cu) and load the extension. Under torchrun call it on every rank at start: local
+    rank 0 builds, the others wait at a barrier and then load the finished build (concurrent JIT
+    builds of one directory race, or hang on a stale lock)."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    from torch.utils.cpp_extension import load
+    build = os.path.join(_HERE, "build", "taco_kernels")
+    os.makedirs(build, exist_ok=True)
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    build_it = lambda: load(name="taco_ext", sources=[os.path.join(_HERE, "taco_binding.cpp"),
+                                                      os.path.join(_HERE, "taco_kernels.cu")],
+                            extra_cuda_cflags=["-O3", "-fmad=false"], extra_include_paths=[_HERE],
+                            build_directory=build, verbose=verbose)
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if shared and int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        dist.barrier()                                             # wait for local rank 0's build
+        ext = build_it()
+    else:
+        ext = build_it()
+        if shared:
+            dist.barrier()
+    _KERNELS = _Kernels(ext)
+    return _KERNELS
 
 
 def _kernels():
-    global _KERNELS
-    if _KERNELS is None:
-        import taco_cuda
-        _KERNELS = taco_cuda.load()
-    return _KERNELS
+    return _KERNELS if _KERNELS is not None else load_kernels()
 
 
 # -----------------------------------------------------------------------------
@@ -390,13 +457,9 @@ def emulated_all_reduce(partials, codec=DEFAULT_CODEC, block_size=256):
             acc += p.float()
         return acc.view_as(partials[0]).to(partials[0].dtype)
     L = cd.padded(cdiv(n, W))
-    sent = []                                                      # sent[r]: rank r's (W, S) messages
-    for p in partials:
-        shards = torch.zeros(W * L, dtype=torch.float32, device=p.device)
-        shards[:n] = p.reshape(-1)
-        sent.append(cd.encode(shards.view(W, L)))
+    sent = [cd.encode(p.reshape(-1), W, L) for p in partials]      # sent[r]: rank r's (W, S) messages
     mine = torch.stack([cd.reduce_encode(torch.stack([sent[r][k] for r in range(W)]), L) for k in range(W)])
-    return cd.decode(mine, L).view(-1)[:n].view_as(partials[0]).to(partials[0].dtype)
+    return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
 
 # torch >= 2.12 renames all_gather_into_tensor to all_gather_single (same arguments)
@@ -423,9 +486,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     # === reduce-scatter phase: compress every chunk's W shards, start its all-to-all ===
     for a, b in _plan_chunks(n, W, cd.B, chunks):
         L = cd.padded(cdiv(b - a, W))                              # shard length, whole blocks
-        shards = torch.zeros(W * L, dtype=torch.float32, device=x.device)
-        shards[:b - a] = flat[a:b]
-        send = cd.encode(shards.view(W, L))                        # (W, S): message r is for rank r
+        send = cd.encode(flat[a:b], W, L)                          # (W, S): message r is for rank r
         recv = torch.empty_like(send)
         # async: the next chunk is compressed while this one is on the wire (on GPU, NCCL's stream)
         work = dist.all_to_all_single(recv, send, group=group, async_op=True)
@@ -442,7 +503,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     # === decode all W shards, my own included, from the gathered bytes ===
     for a, b, L, work, gathered in gathers:
         work.wait()
-        flat[a:b] = cd.decode(gathered, L).view(-1)[:b - a].to(x.dtype)
+        cd.decode(gathered, L, b - a, out=flat[a:b])
     if not x.is_contiguous():
         x.copy_(flat.view_as(x))
     if stats is not None:
@@ -465,12 +526,12 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
             stats.add((W - 1) * out.numel() * x.element_size(), (W - 1) * out.numel() * x.element_size())
         return out
     L = cd.padded(n // W)
-    shards = torch.zeros(W, L, dtype=torch.float32, device=x.device)
+    shards = torch.zeros(W, L, dtype=x.dtype, device=x.device)     # shard r padded to whole blocks
     shards[:, :n // W] = x.reshape(W, n // W)
-    send = cd.encode(shards)
+    send = cd.encode(shards.view(-1), W, L)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    parts = cd.decode(recv, L)
+    parts = cd.decode(recv, L).view(W, L)
     acc = parts[0]
     for i in range(1, W):
         acc = acc + parts[i]
@@ -495,7 +556,7 @@ def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
     mine = cd.compress(x)
     gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
     _all_gather_flat(gathered, mine, group=group)
-    out.copy_(cd.decode(gathered.view(W, -1), cd.padded(n))[:, :n].reshape(-1))
+    out.copy_(cd.decode(gathered.view(W, -1), cd.padded(n)).view(W, -1)[:, :n].reshape(-1))
     if stats is not None:
         stats.add((W - 1) * mine.numel(), (W - 1) * n * x.element_size())
     return out

@@ -213,6 +213,9 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    if use_cuda and any(taco.get_codec(c) for c in (tp_codec, tp_codec_bwd)) and grid.tp > 1:
+        taco.load_kernels()                                  # every rank; local rank 0 builds first
+
     # === model, optimizer ===
     comm = parallel.tp_comm_from_grid(grid, fwd_codec=tp_codec, bwd_codec=tp_codec_bwd or tp_codec,
                                       block_size=codec_block, chunks=taco_chunks, min_bytes=taco_min_bytes)

@@ -1,0 +1,23 @@
+# GPT-2 small (124M) on the large real-text dataset, TP=2 on two GPUs, bf16 autocast.
+#   torchrun --nproc_per_node=2 train.py configs/gpt2s.py                      # default codec (hint8)
+#   torchrun --nproc_per_node=2 train.py configs/gpt2s.py --tp_codec=none      # uncompressed baseline
+out_dir = "out/gpt2s"
+dataset = "large"
+n_layer = 12
+n_head = 12
+n_embd = 768
+block_size = 1024
+dropout = 0.0
+batch_size = 16
+gradient_accumulation_steps = 1
+learning_rate = 6e-4
+min_lr = 6e-5
+max_iters = 2000
+warmup_iters = 100
+lr_decay_iters = 2000
+eval_interval = 250
+eval_iters = 20
+log_interval = 10
+tp = 2
+tp_codec = "hint8"
+sample_tokens = 200

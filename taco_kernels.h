@@ -1,0 +1,26 @@
+// taco_kernels.h — the interface between taco_kernels.cu (plain CUDA) and taco_binding.cpp (PyTorch).
+// Only plain C types here, so the kernels compile without PyTorch's headers.
+#pragma once
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+enum TacoFmt { TACO_E4M3 = 0, TACO_E5M2 = 1, TACO_INT8 = 2, TACO_INT6 = 3 };
+enum TacoDType { TACO_F32 = 0, TACO_BF16 = 1, TACO_F16 = 2 };
+
+struct TacoParams {
+  int fmt;            // TacoFmt of the codes
+  int adaptive;       // alpha = tau / rms per block (Eq. 6-7)
+  int rotate;         // Walsh-Hadamard per block (Eq. 8)
+  int scale_block;    // per-block absmax scale (Eq. 9); 0 = no scale
+  int nmeta;          // fp32 metadata words per block: [alpha][s]
+  float tau, eps, c, qmax;   // c = 1/sqrt(B) rounded to fp32
+  long long L;        // elements per message, a multiple of 256
+  long long S;        // bytes per message, a multiple of 16
+};
+
+// x: n elements of dtype xdt; message m encodes x[m*L, (m+1)*L) (zeros past n) into out[m*S, (m+1)*S)
+void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st);
+// the first n elements of M messages -> out (dtype odt)
+void taco_decode(const uint8_t* buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st);
+// decode P messages, sum in fp32 in order 0..P-1, re-encode into one message
+void taco_reduce_encode(const uint8_t* buf, int P, TacoParams p, uint8_t* out, cudaStream_t st);

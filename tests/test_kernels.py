@@ -1,0 +1,89 @@
+"""The fused CUDA kernels against the PyTorch reference, bit for bit. Skipped without a GPU.
+
+The reference is run twice: on the CPU, and on the GPU (torch's own CUDA ops); the kernel must give
+the same bytes as both. Decoded values are compared bitwise too (NaN positions must match; NaN
+payload bits are not compared)."""
+import pytest
+import torch
+
+import taco
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+KERNEL_CODECS = [n for n in taco.CODECS if taco.kernels_support(taco.get_codec(n))]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    return taco.load_kernels()
+
+
+def inputs(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.02 + torch.randn(n, generator=g).pow(3) * 0.01
+    x[torch.randint(0, n, (max(1, n // 300),), generator=g)] *= 50.0            # outliers
+    if n > 2000:
+        x[256:512] = 0.0                                                       # an all-zero block
+        x[512:768] = torch.randn(256, generator=g) * 1e-30                     # a tiny block (fp32 only)
+        x[1000] = float("nan")
+        x[1300] = float("inf")
+        x[1600] = float("-inf")
+        x[1900:1910] *= 1e4
+    return x.to(dtype)
+
+
+def same_values(a, b):
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
+SIZES = [1, 255, 257, 4097, 3 * 65536 + 5]
+
+
+@pytest.mark.parametrize("name", KERNEL_CODECS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_decode_bit_exact(name, dtype):
+    cd = taco.get_codec(name)
+    for seed, n in enumerate(SIZES):
+        x = inputs(n, dtype, seed)
+        for M in (1, 3):
+            L = cd.padded(-(-n // M))
+            ref_cpu = cd._encode_ref(x, M, L)
+            xg = x.cuda()
+            ref_gpu = cd._encode_ref(xg, M, L)
+            ker = cd.encode(xg, M, L)
+            assert torch.equal(ref_gpu.cpu(), ref_cpu), (name, dtype, n, M, "torch CPU vs torch CUDA")
+            assert torch.equal(ker.cpu(), ref_cpu), (name, dtype, n, M, (ker.cpu() != ref_cpu).nonzero()[:5])
+            for odt in DTYPES:
+                dec_ref = cd._decode_ref(ref_cpu, L).reshape(-1)[:n].to(odt)
+                dec_ker = cd.decode(ker, L, n, odt)
+                assert same_values(dec_ker.cpu(), dec_ref), (name, dtype, odt, n, M)
+
+
+@pytest.mark.parametrize("name", KERNEL_CODECS)
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_reduce_encode_bit_exact(name, P):
+    cd = taco.get_codec(name)
+    L = 256 * 129
+    msgs = torch.stack([cd._encode_ref(inputs(L, torch.float32, 10 + r), 1, L)[0] for r in range(P)])
+    ref = cd.reduce_encode(msgs, L)                       # CPU tensors: the reference
+    ker = cd.reduce_encode(msgs.cuda(), L)
+    assert torch.equal(ker.cpu(), ref)
+
+
+def test_decode_writes_into_a_strided_slice_only():
+    cd = taco.get_codec("hint8")
+    x = inputs(5000, torch.bfloat16, 3).cuda()
+    buf = cd.encode(x, 2, cd.padded(2500))
+    out = torch.full((7000,), 7.0, dtype=torch.bfloat16, device="cuda")
+    cd.decode(buf, cd.padded(2500), 5000, out=out[1000:6000])
+    assert (out[:1000] == 7).all() and (out[6000:] == 7).all()
+    assert same_values(out[1000:6000].cpu(), cd.decode(buf.cpu(), cd.padded(2500), 5000, torch.bfloat16))
+
+
+def test_roundtrip_on_gpu_matches_cpu():
+    for name in KERNEL_CODECS:
+        cd = taco.get_codec(name)
+        x = inputs(100_003, torch.bfloat16, 5)
+        assert same_values(cd.roundtrip(x.cuda()).cpu(), cd.roundtrip(x))
