@@ -133,6 +133,22 @@ def cuda_time(fn, iters=20, warmup=3, before=None):
     return ts[len(ts) // 2]
 
 
+def host_time(fn, before=None, iters=20):
+    """Median host-side microseconds to issue fn() (no device synchronisation inside): when this
+    approaches the GPU time, the operation is bound by Python / launch overhead."""
+    import time as _t
+    ts = []
+    for _ in range(iters):
+        if before:
+            before()
+        torch.cuda.synchronize()
+        t0 = _t.perf_counter()
+        fn()
+        ts.append((_t.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return sorted(ts)[len(ts) // 2]
+
+
 def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)):
     """Fused compress / decompress / reduce-compress GB/s (bytes read + written) on bf16 input,
     next to a device-to-device copy (the ceiling) and the unfused PyTorch reference, same run."""
@@ -203,13 +219,22 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
             t = t.item()
             t_nccl = t if codec == "none" else t_nccl
             rows.append({"MB": mb, "variant": label, "chunks": chunks, "us": f"{t:.0f}",
+                         "host us": f"{host_time(run, lambda: x.copy_(src)):.0f}",
                          "algbw GB/s": f"{2 * n / t / 1e3:.0f}", "vs nccl": f"{t_nccl / t:.2f}x",
                          "rel err": f"{err:.1e}", "identical": "yes" if identical else "NO"})
+        # the two NCCL primitives the compressed all-reduce is made of, on hint8's byte counts
+        S = taco.get_codec("hint8").nbytes(taco.get_codec("hint8").padded(-(-n // world)))
+        send, recv = torch.zeros(world * S, dtype=torch.uint8, device="cuda"), torch.empty(world * S, dtype=torch.uint8, device="cuda")
+        for label, fn in (("nccl all_to_all u8", lambda: dist.all_to_all_single(recv, send)),
+                          ("nccl all_gather u8", lambda: taco._all_gather_flat(recv, send[:S]))):
+            t = cuda_time(fn, iters=20, warmup=3)
+            rows.append({"MB": mb, "variant": label, "chunks": 1, "us": f"{t:.0f}", "host us": f"{host_time(fn):.0f}",
+                         "algbw GB/s": "-", "vs nccl": f"{t_nccl / t:.2f}x", "rel err": "-", "identical": "-"})
     if rank == 0:
         save(f"collective_{tag}", rows, world=world, tag=tag,
              env_vars={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE")})
         print(f"\ncompressed all-reduce vs NCCL bf16, {world} GPUs, {tag}:")
-        table(rows, ["MB", "variant", "chunks", "us", "algbw GB/s", "vs nccl", "rel err", "identical"])
+        table(rows, ["MB", "variant", "chunks", "us", "host us", "algbw GB/s", "vs nccl", "rel err", "identical"])
     dist.destroy_process_group()
 
 

@@ -43,6 +43,14 @@ class GPTConfig:
 # -----------------------------------------------------------------------------
 # tensor-parallel layers
 
+def autocast_input(x):
+    """Under autocast, cast before f, so that its backward all-reduce carries bf16 gradients (the
+    matmul would cast anyway; LayerNorm's output is fp32 under autocast)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T + b with A split by output rows; each rank owns out/tp outputs, no communication
     in forward (the f before it all-reduces the input gradient in backward).
@@ -66,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in sections], dim=0)
 
     def forward(self, x):
-        return F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)   # (B, T, out/tp)
+        return F.linear(copy_to_tp(autocast_input(x), self.comm), self.weight, self.bias)   # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -258,7 +266,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             x = x[:, -1:, :]
-        logits = F.linear(copy_to_tp(x, self.comm), self.wte.weight)              # (B, T, V/tp) tied head
+        logits = F.linear(copy_to_tp(autocast_input(x), self.comm), self.wte.weight)   # (B, T, V/tp) tied head
         if targets is None:
             return logits, None
         n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded

@@ -234,9 +234,9 @@ __device__ __forceinline__ void encode_block(float v[E], int lane, const TacoPar
     m = warp_max(m);
     bad |= __any_sync(FULL, nf);
     s = m / p.qmax;
-    float d = s > 0.f ? s : 1.f;
+    const float inv = 1.f / (s > 0.f ? s : 1.f);      // one IEEE division per block
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] / d;
+    for (int j = 0; j < E; j++) v[j] = v[j] * inv;
   }
   // === Eq. 10: codes (a bad block: codes 0, metadata NaN; the raw cast: NaN code per element) ===
   const bool raw = !p.adaptive && !p.scale_block;
@@ -260,15 +260,25 @@ __device__ __forceinline__ void encode_block(float v[E], int lane, const TacoPar
   }
 }
 
-__device__ __forceinline__ void decode_block(const uint8_t* msg, long long lb, long long nbs, int lane,
-                                             const TacoParams& p, float v[E]) {
+struct BlockMeta { float s, inv_alpha; };
+
+// decode, part 1: the loads (codes and metadata) of one block
+__device__ __forceinline__ BlockMeta load_block(const uint8_t* msg, long long lb, long long nbs, int lane,
+                                                const TacoParams& p, float v[E]) {
   const int pb = payload_bytes(p);
   read_codes(msg + lb * pb, lane, v, p);
   const float* meta = reinterpret_cast<const float*>(msg + nbs * pb) + lb * p.nmeta;
+  BlockMeta bm{1.f, 1.f};
+  if (p.scale_block) bm.s = meta[p.nmeta - 1];
+  if (p.adaptive) bm.inv_alpha = 1.f / meta[0];
+  return bm;
+}
+
+// decode, part 2: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha)
+__device__ __forceinline__ void finish_decode(float v[E], BlockMeta bm, int lane, const TacoParams& p) {
   if (p.scale_block) {
-    float s = meta[p.nmeta - 1];
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * s;
+    for (int j = 0; j < E; j++) v[j] = v[j] * bm.s;
   }
   if (p.rotate) {
     fwht(v, lane);
@@ -276,39 +286,57 @@ __device__ __forceinline__ void decode_block(const uint8_t* msg, long long lb, l
     for (int j = 0; j < E; j++) v[j] = v[j] * p.c;
   }
   if (p.adaptive) {
-    float alpha = meta[0];
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] / alpha;
+    for (int j = 0; j < E; j++) v[j] = v[j] * bm.inv_alpha;
   }
 }
 
-// --- kernels ---------------------------------------------------------------------------------------
+// --- kernels: each warp takes K consecutive blocks and issues all their loads before computing ----
+
+constexpr int K = 4;
 
 template <int DT>
 __global__ void __launch_bounds__(32 * WARPS) encode_kernel(const void* x, long long n, int M, TacoParams p,
                                                             uint8_t* out) {
   const int lane = threadIdx.x & 31;
-  const long long nbs = p.L / B;
-  const long long blk = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (blk >= M * nbs) return;                 // whole warps exit together
-  const long long msg = blk / nbs, lb = blk % nbs;
-  float v[E];
-  load8<DT>(x, n, msg * p.L + lb * B + lane * E, v);
-  encode_block(v, lane, p, out + msg * p.S, lb, nbs);
+  const long long nbs = p.L / B, total = M * nbs;
+  const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
+  float v[K][E];
+#pragma unroll
+  for (int k = 0; k < K; k++) {              // blk is the same for the whole warp: no divergence
+    const long long blk = first + k;
+    if (blk < total) load8<DT>(x, n, (blk / nbs) * p.L + (blk % nbs) * B + lane * E, v[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const long long blk = first + k;
+    if (blk < total) encode_block(v[k], lane, p, out + (blk / nbs) * p.S, blk % nbs, nbs);
+  }
 }
 
 template <int DT>
 __global__ void __launch_bounds__(32 * WARPS) decode_kernel(const uint8_t* buf, int M, TacoParams p, void* out,
                                                             long long n) {
   const int lane = threadIdx.x & 31;
-  const long long nbs = p.L / B;
-  const long long blk = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (blk >= M * nbs) return;
-  const long long msg = blk / nbs, lb = blk % nbs;
-  if (msg * p.L + lb * B >= n) return;        // nothing of this block is wanted
-  float v[E];
-  decode_block(buf + msg * p.S, lb, nbs, lane, p, v);
-  store8<DT>(out, n, msg * p.L + lb * B + lane * E, v);
+  const long long nbs = p.L / B, total = M * nbs;
+  const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
+  float v[K][E];
+  BlockMeta bm[K];
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const long long blk = first + k;
+    if (blk < total && (blk / nbs) * p.L + (blk % nbs) * B < n)   // skip blocks wholly past n
+      bm[k] = load_block(buf + (blk / nbs) * p.S, blk % nbs, nbs, lane, p, v[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    const long long blk = first + k;
+    const long long i0 = (blk / nbs) * p.L + (blk % nbs) * B;
+    if (blk < total && i0 < n) {
+      finish_decode(v[k], bm[k], lane, p);
+      store8<DT>(out, n, i0 + lane * E, v[k]);
+    }
+  }
 }
 
 __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(const uint8_t* buf, int P, TacoParams p,
@@ -318,37 +346,39 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(const uint8_t
   const long long lb = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
   if (lb >= nbs) return;
   float acc[E], v[E];
-  decode_block(buf, lb, nbs, lane, p, acc);
+  finish_decode(acc, load_block(buf, lb, nbs, lane, p, acc), lane, p);
   for (int r = 1; r < P; r++) {               // fp32 sum in rank order 0, 1, ..., P-1
-    decode_block(buf + r * p.S, lb, nbs, lane, p, v);
+    finish_decode(v, load_block(buf + r * p.S, lb, nbs, lane, p, v), lane, p);
 #pragma unroll
     for (int j = 0; j < E; j++) acc[j] = acc[j] + v[j];
   }
   encode_block(acc, lane, p, out, lb, nbs);
 }
 
-unsigned grid_for(long long blocks) { return (unsigned)((blocks + WARPS - 1) / WARPS); }
+unsigned grid_for(long long blocks, int per_warp) {
+  return (unsigned)((blocks + WARPS * per_warp - 1) / (WARPS * per_warp));
+}
 
 }  // namespace
 
 void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st) {
   const long long blocks = M * (p.L / B);
   if (blocks == 0) return;
-  if (xdt == TACO_F32) encode_kernel<TACO_F32><<<grid_for(blocks), 32 * WARPS, 0, st>>>(x, n, M, p, out);
-  else if (xdt == TACO_BF16) encode_kernel<TACO_BF16><<<grid_for(blocks), 32 * WARPS, 0, st>>>(x, n, M, p, out);
-  else encode_kernel<TACO_F16><<<grid_for(blocks), 32 * WARPS, 0, st>>>(x, n, M, p, out);
+  if (xdt == TACO_F32) encode_kernel<TACO_F32><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(x, n, M, p, out);
+  else if (xdt == TACO_BF16) encode_kernel<TACO_BF16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(x, n, M, p, out);
+  else encode_kernel<TACO_F16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(x, n, M, p, out);
 }
 
 void taco_decode(const uint8_t* buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
   const long long blocks = M * (p.L / B);
   if (blocks == 0 || n == 0) return;
-  if (odt == TACO_F32) decode_kernel<TACO_F32><<<grid_for(blocks), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
-  else if (odt == TACO_BF16) decode_kernel<TACO_BF16><<<grid_for(blocks), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
-  else decode_kernel<TACO_F16><<<grid_for(blocks), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
+  if (odt == TACO_F32) decode_kernel<TACO_F32><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
+  else if (odt == TACO_BF16) decode_kernel<TACO_BF16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
+  else decode_kernel<TACO_F16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
 }
 
 void taco_reduce_encode(const uint8_t* buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
   const long long blocks = p.L / B;
   if (blocks == 0) return;
-  reduce_encode_kernel<<<grid_for(blocks), 32 * WARPS, 0, st>>>(buf, P, p, out);
+  reduce_encode_kernel<<<grid_for(blocks, 1), 32 * WARPS, 0, st>>>(buf, P, p, out);
 }

@@ -52,7 +52,7 @@ grad_clip = 1.0
 eval_interval = 100
 eval_iters = 10
 log_interval = 10
-ckpt_interval = 0               # 0: only at the end
+ckpt_interval = 0               # 0: only at the end; -1: never
 resume = False
 progress = True                 # tqdm bar on rank 0
 sample_tokens = 120             # sample this many tokens at the end (0: none)
@@ -213,7 +213,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    if use_cuda and any(taco.get_codec(c) for c in (tp_codec, tp_codec_bwd)) and grid.tp > 1:
+    if use_cuda and any(taco.get_codec(c) for c in (tp_codec, tp_codec_bwd or tp_codec)) and grid.tp > 1:
         taco.load_kernels()                                  # every rank; local rank 0 builds first
 
     # === model, optimizer ===
@@ -333,7 +333,7 @@ def main():
                 log(f"step {it + 1:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}")
             record(iter=it + 1, train_loss=ev["train"], val_loss=ev["val"])
             t0 = time.time()
-        if (ckpt_interval and (it + 1) % ckpt_interval == 0) or last:
+        if ckpt_interval >= 0 and ((ckpt_interval and (it + 1) % ckpt_interval == 0) or last):
             save_checkpoint(out_dir, grid, model, opt, it + 1, cfg)
     if bar is not None:
         bar.close()
