@@ -139,6 +139,20 @@ def block_sumsq(g):
     return acc[..., 0]
 
 
+def fdiv(a, b):
+    """a / b rounded once to fp32, identically on every backend: the quotient is computed in
+    float64 and rounded (exact for fp32 operands), which is what the kernels' IEEE fp32 division
+    gives. (torch's own fp32 ops are not enough: on CUDA, tensor / python-float is a multiply by
+    the reciprocal, and we measured a CPU build whose vectorised sqrt was 1 ulp off.)"""
+    b = b.double() if torch.is_tensor(b) else torch.full_like(a, b, dtype=torch.float64)
+    return (a.double() / b).float()
+
+
+def fsqrt(a):
+    """sqrt rounded once to fp32 (computed in float64: exact for fp32 inputs), like the kernels' sqrtf."""
+    return torch.sqrt(a.double()).float()
+
+
 def pack_int6(q):
     """(..., 4k) int codes in [-31, 31] -> (..., 3k) bytes: w = u0 | u1<<6 | u2<<12 | u3<<18, little-endian."""
     u = (q.to(torch.int32) & 63).reshape(*q.shape[:-1], -1, 4)
@@ -227,28 +241,27 @@ class Codec:
         # === Eq. 6-7: adaptive scale ===
         if sp.adaptive:
             ss = block_sumsq(g)
-            sigma = torch.sqrt(ss * (1.0 / B) + self.eps)
-            alpha = torch.full_like(sigma, self.tau) / sigma          # tensor / tensor: IEEE division
+            sigma = fsqrt(ss * (1.0 / B) + self.eps)
+            alpha = fdiv(torch.full_like(sigma, self.tau), sigma)
             bad |= ~torch.isfinite(ss)
             g = g * alpha[..., None]
         # === Eq. 8: rotation ===
         if sp.rotate:
             g = fwht(g) * self.c
         # === Eq. 9: absmax scale ===
-        # (s = m / Qmax and 1/s are IEEE divisions of two tensors, once per block; the elements are
-        # multiplied by 1/s. Spelled out because a tensor / python-float division is a multiply by
-        # the reciprocal on CUDA but a true division on the CPU.)
+        # (s = m / Qmax and 1/s are correctly rounded divisions, once per block; the elements
+        # are multiplied by 1/s)
         if sp.scale == "block":
             m = g.abs().amax(dim=-1)
             bad |= ~torch.isfinite(m)
-            s = m / torch.full_like(m, QMAX[sp.fmt])
-            y = g * (torch.ones_like(s) / torch.where(s > 0, s, torch.ones_like(s)))[..., None]
+            s = fdiv(m, QMAX[sp.fmt])
+            y = g * fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))[..., None]
         elif sp.scale == "tensor":
             m = g.abs().reshape(M, -1).amax(dim=-1)
             tbad = ~torch.isfinite(m) | bad.any(dim=-1)
             bad |= tbad[:, None]
-            s = m / torch.full_like(m, QMAX[sp.fmt])
-            y = g * (torch.ones_like(s) / torch.where(s > 0, s, torch.ones_like(s)))[:, None, None]
+            s = fdiv(m, QMAX[sp.fmt])
+            y = g * fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))[:, None, None]
         else:
             y = g
         # === Eq. 10: codes ===
@@ -299,7 +312,7 @@ class Codec:
             y = fwht(y) * self.c
         if sp.adaptive:
             alpha = meta[..., :1]
-            y = y * (torch.ones_like(alpha) / alpha)
+            y = y * fdiv(torch.ones_like(alpha), alpha)
         return y.reshape(M, L)
 
     def reduce_encode(self, buf, L):

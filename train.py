@@ -64,8 +64,8 @@ pp = 1
 tp_codec = "none"
 tp_codec_bwd = ""               # "" = same as tp_codec
 codec_block = 256
-taco_chunks = 1
-taco_min_bytes = 0
+taco_chunks = 1                 # measured on 2xH200: more chunks only add host overhead (README)
+taco_min_bytes = 8388608        # smaller all-reduces stay uncompressed: compression won only >= 16 MB (README)
 # system
 seed = 1337
 device = "auto"                 # auto | cpu | cuda

@@ -15,3 +15,4 @@ lr_decay_iters = 200
 eval_interval = 100
 tp = 2
 tp_codec = "hint8"
+taco_min_bytes = 0              # compress every TP all-reduce, however small, to show it on CPU
