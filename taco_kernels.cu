@@ -122,10 +122,13 @@ __device__ __forceinline__ void fwht(float v[E], int lane) {
   }
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1) {         // strides 8 ... 128: lane t pairs with lane t^m
+    const float sign = (lane & m) ? -1.f : 1.f;
 #pragma unroll
     for (int j = 0; j < E; j++) {
+      // lower lane: a + b = p + v;  upper lane: a - b = p - v (a is the lower lane's value).
+      // sign * v is exact, so one fused multiply-add rounds exactly like the reference's add/sub.
       float p = __shfl_xor_sync(FULL, v[j], m);
-      v[j] = (lane & m) ? p - v[j] : v[j] + p;   // upper partner: a - b with a the lower lane's value
+      v[j] = __fmaf_rn(sign, v[j], p);
     }
   }
 }
@@ -295,44 +298,36 @@ __device__ __forceinline__ void finish_decode(float v[E], BlockMeta bm, int lane
 
 constexpr int K = 4;
 
+// grid: (blocks of a message / (WARPS * K), messages); blockIdx.y is the message, so no division
 template <int DT>
-__global__ void __launch_bounds__(32 * WARPS) encode_kernel(const void* x, long long n, int M, TacoParams p,
-                                                            uint8_t* out) {
+__global__ void __launch_bounds__(32 * WARPS) encode_kernel(const void* x, long long n, TacoParams p, uint8_t* out) {
   const int lane = threadIdx.x & 31;
-  const long long nbs = p.L / B, total = M * nbs;
+  const long long nbs = p.L / B, msg = blockIdx.y;
   const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
   float v[K][E];
 #pragma unroll
-  for (int k = 0; k < K; k++) {              // blk is the same for the whole warp: no divergence
-    const long long blk = first + k;
-    if (blk < total) load8<DT>(x, n, (blk / nbs) * p.L + (blk % nbs) * B + lane * E, v[k]);
-  }
+  for (int k = 0; k < K; k++)                 // lb is the same for the whole warp: no divergence
+    if (first + k < nbs) load8<DT>(x, n, msg * p.L + (first + k) * B + lane * E, v[k]);
 #pragma unroll
-  for (int k = 0; k < K; k++) {
-    const long long blk = first + k;
-    if (blk < total) encode_block(v[k], lane, p, out + (blk / nbs) * p.S, blk % nbs, nbs);
-  }
+  for (int k = 0; k < K; k++)
+    if (first + k < nbs) encode_block(v[k], lane, p, out + msg * p.S, first + k, nbs);
 }
 
 template <int DT>
-__global__ void __launch_bounds__(32 * WARPS) decode_kernel(const uint8_t* buf, int M, TacoParams p, void* out,
-                                                            long long n) {
+__global__ void __launch_bounds__(32 * WARPS) decode_kernel(const uint8_t* buf, TacoParams p, void* out, long long n) {
   const int lane = threadIdx.x & 31;
-  const long long nbs = p.L / B, total = M * nbs;
+  const long long nbs = p.L / B, msg = blockIdx.y;
   const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
   float v[K][E];
   BlockMeta bm[K];
 #pragma unroll
-  for (int k = 0; k < K; k++) {
-    const long long blk = first + k;
-    if (blk < total && (blk / nbs) * p.L + (blk % nbs) * B < n)   // skip blocks wholly past n
-      bm[k] = load_block(buf + (blk / nbs) * p.S, blk % nbs, nbs, lane, p, v[k]);
-  }
+  for (int k = 0; k < K; k++)                 // skip blocks wholly past n
+    if (first + k < nbs && msg * p.L + (first + k) * B < n)
+      bm[k] = load_block(buf + msg * p.S, first + k, nbs, lane, p, v[k]);
 #pragma unroll
   for (int k = 0; k < K; k++) {
-    const long long blk = first + k;
-    const long long i0 = (blk / nbs) * p.L + (blk % nbs) * B;
-    if (blk < total && i0 < n) {
+    const long long i0 = msg * p.L + (first + k) * B;
+    if (first + k < nbs && i0 < n) {
       finish_decode(v[k], bm[k], lane, p);
       store8<DT>(out, n, i0 + lane * E, v[k]);
     }
@@ -362,19 +357,19 @@ unsigned grid_for(long long blocks, int per_warp) {
 }  // namespace
 
 void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st) {
-  const long long blocks = M * (p.L / B);
-  if (blocks == 0) return;
-  if (xdt == TACO_F32) encode_kernel<TACO_F32><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(x, n, M, p, out);
-  else if (xdt == TACO_BF16) encode_kernel<TACO_BF16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(x, n, M, p, out);
-  else encode_kernel<TACO_F16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(x, n, M, p, out);
+  if (M == 0 || p.L == 0) return;
+  const dim3 grid(grid_for(p.L / B, K), M);
+  if (xdt == TACO_F32) encode_kernel<TACO_F32><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
+  else if (xdt == TACO_BF16) encode_kernel<TACO_BF16><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
+  else encode_kernel<TACO_F16><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
 }
 
 void taco_decode(const uint8_t* buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
-  const long long blocks = M * (p.L / B);
-  if (blocks == 0 || n == 0) return;
-  if (odt == TACO_F32) decode_kernel<TACO_F32><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
-  else if (odt == TACO_BF16) decode_kernel<TACO_BF16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
-  else decode_kernel<TACO_F16><<<grid_for(blocks, K), 32 * WARPS, 0, st>>>(buf, M, p, out, n);
+  if (M == 0 || p.L == 0 || n == 0) return;
+  const dim3 grid(grid_for(p.L / B, K), M);
+  if (odt == TACO_F32) decode_kernel<TACO_F32><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
+  else if (odt == TACO_BF16) decode_kernel<TACO_BF16><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
+  else decode_kernel<TACO_F16><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
 }
 
 void taco_reduce_encode(const uint8_t* buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
