@@ -3,6 +3,7 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
 (with date, machine, versions and the exact command) to results/<name>.json.
 
     python bench.py codecs                    # CPU: every codec's error on real TP all-reduce tensors
+    python bench.py plot                      # results/loss_curves.png from the recorded runs
     python bench.py kernels                   # GPU: fused kernels vs copy bandwidth vs PyTorch reference
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
 """
@@ -97,7 +98,7 @@ def bench_codecs(world=4, steps=100):
             err[direction].append(e)
             snr.append(-20 * torch.log10(torch.tensor(max(e, 1e-30))).item())
         cd = taco.get_codec(name)
-        bpe = 4.0 if cd is None else cd.nbytes(256 * 1024) / (256 * 1024)
+        bpe = 4.0 if cd is taco.IDENTITY else cd.nbytes(256 * 1024) / (256 * 1024)
         mean = lambda v: sum(v) / len(v)
         rows.append({"codec": name, "bytes/elem": f"{bpe:.4f}",
                      "fwd rel err": f"{mean(err['fwd']):.2e}", "bwd rel err": f"{mean(err['bwd']):.2e}",
@@ -238,13 +239,54 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
     dist.destroy_process_group()
 
 
+# -----------------------------------------------------------------------------
+# plots
+
+def plot_curves(path=os.path.join(RESULTS, "loss_curves.png")):
+    """Loss curves: the CPU demo per codec (results/demo_<codec>.jsonl, copied from
+    out/demo_<codec>/log.jsonl) and the GPU GPT-2-small runs (parsed from results/gpu/gpu_train.log)."""
+    import re
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for codec in ("none", "hint8", "taco"):
+        f = os.path.join(RESULTS, f"demo_{codec}.jsonl")
+        if os.path.exists(f):
+            rows = [json.loads(line) for line in open(f)]
+            pts = [(r["iter"], r["loss"]) for r in rows if "loss" in r]
+            axes[0].plot(*zip(*pts), label=f"tp_codec={codec}")
+    axes[0].set(title="CPU demo: 7M GPT-2, TP=2 (gloo), Shakespeare", xlabel="step", ylabel="train loss")
+    log = os.path.join(RESULTS, "gpu", "gpu_train.log")
+    if os.path.exists(log):
+        label, runs = None, {}
+        for line in open(log):
+            m = re.match(r"=== train gpt2s TP=2 (.*) \(\d", line)
+            if m:
+                label = m.group(1)
+            m = re.match(r"step\s+(\d+) \| loss\s+([\d.]+)", line)
+            if m and label:
+                runs.setdefault(label, []).append((int(m.group(1)), float(m.group(2))))
+        for label, pts in runs.items():
+            axes[1].plot(*zip(*pts), marker=".", label=label)
+    axes[1].set(title="GPT-2 small, TP=2 on 2xH200, bf16", xlabel="step", ylabel="train loss")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "codecs"
     if what == "codecs":
         bench_codecs()
     elif what == "kernels":
         bench_kernels()
+    elif what == "plot":
+        plot_curves()
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot")

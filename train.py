@@ -213,7 +213,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    if use_cuda and any(taco.get_codec(c) for c in (tp_codec, tp_codec_bwd or tp_codec)) and grid.tp > 1:
+    if use_cuda and grid.tp > 1 and any(c not in ("", "none") for c in (tp_codec, tp_codec_bwd)):
         taco.load_kernels()                                  # every rank; local rank 0 builds first
 
     # === model, optimizer ===

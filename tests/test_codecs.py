@@ -263,4 +263,13 @@ def test_unknown_codec_and_bad_block_size_are_refused():
         taco.get_codec("fp4")
     with pytest.raises(ValueError, match="power of two"):
         taco.get_codec("taco", block_size=100)
-    assert taco.get_codec("none") is None
+    assert taco.get_codec("none") is taco.IDENTITY
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_codec_none_is_the_identity(dtype):
+    x = realistic(1001).to(dtype).view(7, 143)
+    cd = taco.get_codec("none")
+    buf = cd.compress(x)
+    assert buf.dtype == torch.uint8 and buf.numel() == x.numel() * x.element_size()
+    assert torch.equal(cd.roundtrip(x), x) and cd.roundtrip(x).dtype == dtype
