@@ -4,6 +4,7 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
 
     python bench.py codecs                    # CPU: every codec's error on real TP all-reduce tensors
     python bench.py plot                      # results/loss_curves.png from the recorded runs
+    python bench.py study fig11 3             # GPU: the paper's Fig. 11 ablation, 3 seeds, TP=4 emulated
     python bench.py kernels                   # GPU: fused kernels vs copy bandwidth vs PyTorch reference
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
 """
@@ -240,6 +241,76 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
 
 
 # -----------------------------------------------------------------------------
+# accuracy study: the paper's convergence comparisons at small scale, TP emulated on one GPU
+
+STUDY = {   # group: (emulated TP degree, [(codec, block size)]); "none" is the uncompressed baseline
+    "table1": (8, [("none", 256), ("taco", 256), ("hint8", 256)]),
+    "fig11": (4, [("none", 256), ("fp8", 256), ("ds", 256), ("ash", 256), ("taco", 256)]),
+    "fig13": (4, [("none", 256), ("hadamard", 256), ("taco", 256)]),
+    "fig14": (4, [("none", 256), ("taco", 256), ("taco-e5m2", 256), ("taco-int8", 256)]),
+    "table2": (4, [("none", 256)] + [("taco", b) for b in (32, 64, 128, 256, 512)]),
+    "ours": (8, [("none", 256), ("taco", 256), ("hint8", 256), ("hint6", 256)]),
+}
+STUDY_FILE = os.environ.get("NANOTACO_STUDY_FILE", os.path.join(RESULTS, "study.json"))
+
+
+def bench_study(group, seeds, extra):
+    """Train one run per (codec, block, seed) of the group with train.py and configs/study.py,
+    appending each finished run's loss curve and final losses to results/study.json. Runs already
+    in the file (same key, same extra arguments) are skipped, so a study can span sessions."""
+    import subprocess
+    t, runs = STUDY[group]
+    root = next((a.split("=", 1)[1] for a in extra if a.startswith("--out_dir=")), os.path.join("out", "study"))
+    extra = [a for a in extra if not a.startswith("--out_dir=")]
+    done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
+    for seed in range(seeds):
+        for codec, block in runs:
+            key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
+            if key in done:
+                continue
+            out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+            cmd = [sys.executable, "train.py", "configs/study.py", f"--tp_codec={codec}", f"--codec_block={block}",
+                   f"--tp_emulate={t}", f"--seed={seed}", *extra, f"--out_dir={out}"]
+            print(" ".join(cmd), flush=True)
+            t0 = time.time()
+            subprocess.run(cmd, check=True)
+            rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+            evals = [r for r in rows if "val_loss" in r]
+            done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra,
+                         "seconds": round(time.time() - t0, 1), "env": environment(),
+                         "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
+                         "val": [(r["iter"], r["val_loss"]) for r in evals],
+                         "final_val": evals[-1]["val_loss"], "final_train": evals[-1]["train_loss"]}
+            with open(STUDY_FILE + ".tmp", "w") as f:       # cumulative; written after every run
+                json.dump(done, f, indent=1)
+            os.replace(STUDY_FILE + ".tmp", STUDY_FILE)
+    study_report(group, extra)
+
+
+def study_report(group, extra=()):
+    """Final validation loss per codec: mean and spread over seeds, change vs the baseline."""
+    t, runs = STUDY[group]
+    done = json.load(open(STUDY_FILE))
+    by = {}
+    for r in done.values():
+        if r["tp"] == t and r["extra"] == list(extra):
+            by.setdefault((r["codec"], r["block"]), []).append(r["final_val"])
+    base = by.get(("none", 256))
+    rows = []
+    for codec, block in runs:
+        v = by.get((codec, block))
+        if not v:
+            continue
+        mean = sum(v) / len(v)
+        spread = (max(v) - min(v)) if len(v) > 1 else float("nan")
+        delta = 100 * (mean / (sum(base) / len(base)) - 1) if base else float("nan")
+        rows.append({"codec": codec, "B": block, "seeds": len(v), "val loss": f"{mean:.4f}",
+                     "seed spread": f"{spread:.4f}", "vs none": f"{delta:+.2f}%"})
+    print(f"\nstudy {group} (TP={t} emulated), results/study.json:")
+    table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none"])
+
+
+# -----------------------------------------------------------------------------
 # plots
 
 def plot_curves(path=os.path.join(RESULTS, "loss_curves.png")):
@@ -286,7 +357,14 @@ if __name__ == "__main__":
         bench_kernels()
     elif what == "plot":
         plot_curves()
+    elif what == "study":
+        # python bench.py study GROUP [SEEDS] [--train.py overrides ...]
+        group = sys.argv[2]
+        if group not in STUDY:
+            raise SystemExit(f"unknown study group {group!r}: {', '.join(STUDY)}")
+        seeds = int(sys.argv[3]) if len(sys.argv) > 3 and not sys.argv[3].startswith("--") else 3
+        bench_study(group, seeds, [a for a in sys.argv[3:] if a.startswith("--")])
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot | study")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel import TPComm, copy_to_tp, reduce_from_tp
+from parallel import EmulatedColumnLinear, EmulatedReduceFromTP, TPComm, copy_to_tp, reduce_from_tp
 
 
 @dataclass
@@ -74,7 +74,10 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in sections], dim=0)
 
     def forward(self, x):
-        return F.linear(copy_to_tp(autocast_input(x), self.comm), self.weight, self.bias)   # (B, T, out/tp)
+        x = autocast_input(x)
+        if self.comm.emulate > 1:
+            return EmulatedColumnLinear.apply(x, self.weight, self.bias, self.comm, self.parts)
+        return F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)   # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -95,7 +98,11 @@ class RowParallelLinear(nn.Module):
         return full.chunk(self.comm.size, dim=1)[self.comm.rank]
 
     def forward(self, x):                        # x: (B, T, in/tp)
-        y = reduce_from_tp(F.linear(x, self.weight), self.comm)            # (B, T, out)
+        if self.comm.emulate > 1:                # t partial sums, as t ranks would compute them
+            xs, ws = x.chunk(self.comm.emulate, dim=-1), self.weight.chunk(self.comm.emulate, dim=-1)
+            y = EmulatedReduceFromTP.apply(self.comm, *[F.linear(a.contiguous(), w) for a, w in zip(xs, ws)])
+        else:
+            y = reduce_from_tp(F.linear(x, self.weight), self.comm)        # (B, T, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -114,13 +121,21 @@ class VocabParallelEmbedding(nn.Module):
     def shard(self, full):
         return full.chunk(self.comm.size, dim=0)[self.comm.rank]
 
+    @staticmethod
+    def lookup(idx, weight, start):
+        """This shard's partial embedding: rows of tokens in [start, start + len(weight)), else 0."""
+        local = idx - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        return F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)
+
     def forward(self, idx):
+        if self.comm.emulate > 1:
+            shards = self.weight.chunk(self.comm.emulate, dim=0)
+            per = shards[0].shape[0]
+            return EmulatedReduceFromTP.apply(self.comm, *[self.lookup(idx, w, r * per) for r, w in enumerate(shards)])
         if self.comm.size == 1:
             return F.embedding(idx, self.weight)
-        local = idx - self.start
-        outside = (local < 0) | (local >= self.per_rank)
-        emb = F.embedding(local.masked_fill(outside, 0), self.weight)     # (B, T, C)
-        return reduce_from_tp(emb.masked_fill(outside[..., None], 0.0), self.comm)
+        return reduce_from_tp(self.lookup(idx, self.weight, self.start), self.comm)   # (B, T, C)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -266,7 +281,11 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if targets is None:
             x = x[:, -1:, :]
-        logits = F.linear(copy_to_tp(autocast_input(x), self.comm), self.wte.weight)   # (B, T, V/tp) tied head
+        x = autocast_input(x)
+        if self.comm.emulate > 1:
+            logits = EmulatedColumnLinear.apply(x, self.wte.weight, None, self.comm, 1)
+        else:
+            logits = F.linear(copy_to_tp(x, self.comm), self.wte.weight)    # (B, T, V/tp) tied head
         if targets is None:
             return logits, None
         n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded

@@ -17,6 +17,10 @@ Both go through ONE function, `TPComm.all_reduce`, which is the place where `tac
 the traffic (TACO paper, Fig. 2: the forward g and the backward f carry activations and activation
 gradients of size B*T*C, which is what TACO compresses).
 
+TP emulation (`TPComm.emulate = t` on a single rank) makes every TP all-reduce numerically what a
+TP=t group would send and receive: the partial sums are formed as t ranks would form them and
+combined by taco.emulated_all_reduce. One GPU can so study TP=8 compression.
+
 Pipeline parallelism is not implemented yet (pp must be 1). Data parallelism averages gradients
 over the DP group in flat buckets after the backward pass.
 """
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import taco
 
@@ -130,6 +135,12 @@ class TPComm:
     min_bytes: int = taco.DEFAULT_MIN_BYTES
     stats: taco.CommStats = field(default_factory=taco.CommStats)
     capture: list = None         # if a list: (direction, copy of x) of every call is appended
+    emulate: int = 1             # > 1 (with size 1): compute as a TP=emulate group would (see below)
+
+    def codec_for(self, x, direction):
+        """The codec a real TP all-reduce of x would use (min_bytes applies, as in taco.all_reduce)."""
+        codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
+        return "none" if x.numel() * x.element_size() < self.min_bytes else codec
 
     def all_reduce(self, x, direction):
         """SUM over the TP group, in place, returning x. THE single entry point for TP traffic."""
@@ -177,6 +188,66 @@ def copy_to_tp(x, comm):
 
 def reduce_from_tp(x, comm):
     return x if comm.size == 1 else ReduceFromTP.apply(x, comm)
+
+
+# -----------------------------------------------------------------------------
+# TP emulation: one process computes what a TP=t group would, all-reduces included
+
+def column_rows(d_out, parts, t):
+    """The output rows each of t ranks owns in a column-parallel layer: every one of `parts`
+    equal sections (QKV: [Q|K|V]) cut into t pieces, rank r taking piece r of each."""
+    sec = d_out // parts
+    per = sec // t
+    return [torch.cat([torch.arange(p * sec + r * per, p * sec + (r + 1) * per) for p in range(parts)])
+            for r in range(t)]
+
+
+class EmulatedReduceFromTP(torch.autograd.Function):
+    """g, emulated: t partial outputs combined exactly as taco.all_reduce combines t ranks'
+    contributions (taco.emulated_all_reduce); backward hands every partial the same gradient."""
+
+    @staticmethod
+    def forward(ctx, comm, *partials):
+        ctx.t = len(partials)
+        parts = [p.contiguous() for p in partials]
+        return taco.emulated_all_reduce(parts, codec=comm.codec_for(parts[0], "fwd"), block_size=comm.block_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None,) + (grad,) * ctx.t
+
+
+class EmulatedColumnLinear(torch.autograd.Function):
+    """y = x W^T + b with every product shaped as on t ranks (rank r: the rows it owns), so the
+    numbers match a real TP=t run; in backward the input gradient is formed as the t ranks form it
+    (grad_y[..., rows_r] @ W[rows_r]) and combined like f's all-reduce."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, parts):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.has_bias = comm, bias is not None
+        ctx.rows = column_rows(weight.shape[0], parts, comm.emulate)
+        outs = [F.linear(x, weight[r], None if bias is None else bias[r]) for r in ctx.rows]
+        y = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=outs[0].dtype)
+        for r, o in zip(ctx.rows, outs):
+            y[..., r] = o
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        comm, wd = ctx.comm, w.to(gy.dtype)
+        gys = [gy[..., r].contiguous() for r in ctx.rows]
+        partials = [g @ wd[r] for g, r in zip(gys, ctx.rows)]
+        gx = taco.emulated_all_reduce(partials, codec=comm.codec_for(partials[0], "bwd"), block_size=comm.block_size)
+        x2 = x.reshape(-1, x.shape[-1]).to(gy.dtype)
+        gw, gb = torch.empty_like(w), torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if ctx.has_bias else None
+        for g, r in zip(gys, ctx.rows):
+            g2 = g.reshape(-1, g.shape[-1])
+            gw[r] = (g2.t() @ x2).to(w.dtype)
+            if ctx.has_bias:
+                gb[r] = g2.sum(0).to(w.dtype)
+        return gx.to(x.dtype), gw, gb, None, None
 
 
 # -----------------------------------------------------------------------------

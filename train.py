@@ -60,6 +60,7 @@ sample_prompt = "\n"
 # parallelism: world = tp * pp * dp (dp is derived)
 tp = 1
 pp = 1
+tp_emulate = 1                  # > 1 with tp=1: every TP all-reduce computed as a TP=t group would (one GPU studies TP=8)
 # tensor-parallel compression (taco.py): codec for forward activations / backward gradients
 tp_codec = "none"
 tp_codec_bwd = ""               # "" = same as tp_codec
@@ -111,6 +112,11 @@ def check_config(cfg, world):
                                    f"launch with a multiple of {cfg['tp'] * cfg['pp']} processes")
     parallel.check_layout(cfg["tp"], cfg["pp"], world // (cfg["tp"] * cfg["pp"]), world,
                           mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
+    if cfg["tp_emulate"] > 1:
+        t = cfg["tp_emulate"]
+        if cfg["tp"] != 1 or cfg["taco_chunks"] != 1:
+            raise parallel.ConfigError(f"tp_emulate={t} emulates TP on one rank: set tp=1 and taco_chunks=1")
+        parallel.check_layout(t, 1, 1, t, mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
     for k in ("tp_codec", "tp_codec_bwd"):
         if cfg[k] not in ("", "none") and cfg[k] not in taco.CODECS:
             raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from none, {', '.join(taco.CODECS)}")
@@ -207,18 +213,20 @@ def main():
     master = grid.rank == 0
     if master:
         print("config:", json.dumps(cfg, sort_keys=True))
-        print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {dev} | {ptdtype}")
+        print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {dev} | {ptdtype}"
+              + (f" | TP={tp_emulate} emulated" if tp_emulate > 1 else ""))
     torch.manual_seed(seed)
     if use_cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    if use_cuda and grid.tp > 1 and any(c not in ("", "none") for c in (tp_codec, tp_codec_bwd)):
+    if use_cuda and max(grid.tp, tp_emulate) > 1 and any(c not in ("", "none") for c in (tp_codec, tp_codec_bwd)):
         taco.load_kernels()                                  # every rank; local rank 0 builds first
 
     # === model, optimizer ===
     comm = parallel.tp_comm_from_grid(grid, fwd_codec=tp_codec, bwd_codec=tp_codec_bwd or tp_codec,
-                                      block_size=codec_block, chunks=taco_chunks, min_bytes=taco_min_bytes)
+                                      block_size=codec_block, chunks=taco_chunks, min_bytes=taco_min_bytes,
+                                      emulate=tp_emulate)
     mcfg = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                      dropout=dropout, bias=bias)
     model = GPT(mcfg, comm, seed=seed).to(dev)

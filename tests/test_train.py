@@ -76,6 +76,7 @@ def test_resume_is_bit_exact(tmp_path):
     (["--tp_codec=fp4"], "tp_codec='fp4' is not a codec"),
     (["--dataset=nowhere"], "python data/prepare.py nowhere"),
     (["configs/missing.py"], "config file configs/missing.py not found"),
+    (["--tp_emulate=2", "--taco_chunks=2"], "set tp=1 and taco_chunks=1"),
 ])
 def test_bad_config_is_refused_before_launch(args, message):
     p = run(args, check=False)
@@ -87,3 +88,21 @@ def test_nan_loss_stops_the_run(tmp_path):
     p = run(TINY + ["--max_iters=5", "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0",
                     f"--out_dir={tmp_path}"], check=False)
     assert p.returncode != 0 and "loss is nan" in (p.stderr + p.stdout).lower()
+
+
+def test_study_runner_is_cumulative(tmp_path):
+    """bench.py study: one train.py run per codec (TP emulated), appended to the study file; a
+    second invocation finds them all done and only reports."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NANOTACO_STUDY_FILE=str(tmp_path / "study.json"))
+    tiny = ["--dataset=small", "--max_iters=2", "--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=32",
+            "--batch_size=2", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2",
+            "--log_interval=1",
+            f"--out_dir={tmp_path}/runs"]
+    cmd = [sys.executable, "bench.py", "study", "fig13", "1", *tiny]
+    first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    runs = json.load(open(tmp_path / "study.json"))
+    assert sorted(r["codec"] for r in runs.values()) == ["hadamard", "none", "taco"]
+    assert all(r["tp"] == 4 and len(r["curve"]) == 2 for r in runs.values())
+    second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert "train.py" not in second.stdout and "vs none" in second.stdout
