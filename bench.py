@@ -4,6 +4,7 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
 
     python bench.py codecs                    # CPU: every codec's error on real TP all-reduce tensors
     python bench.py plot                      # results/loss_curves.png from the recorded runs
+    python bench.py histograms                # CPU: the paper's Figs. 4/8 on our TP tensors
     python bench.py study fig11 3             # GPU: the paper's Fig. 11 ablation, 3 seeds, TP=4 emulated
     python bench.py kernels                   # GPU: fused kernels vs copy bandwidth vs PyTorch reference
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
@@ -109,6 +110,44 @@ def bench_codecs(world=4, steps=100):
               "taco.all_reduce) vs the exact fp64 sum of the TP ranks' fp32 partial sums")
     print(f"\n{len(calls)} TP all-reduces (fwd activations + bwd activation gradients), TP={world}, demo model:")
     table(rows, ["codec", "bytes/elem", "fwd rel err", "bwd rel err", "worst rel err", "SNR dB"])
+
+
+def bench_histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png")):
+    """The paper's Figs. 4 and 8 on our tensors: what enters a TP all-reduce (rank 0's partial sum of
+    the first MLP's forward, and of the first column-parallel layer's input gradient), raw, after a
+    standard block Hadamard, and after ASH (alpha, then Hadamard). Prints the statistics that
+    decide how well 8 bits fit: per-block max/rms and the kurtosis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    calls = capture_tp_tensors(world, steps)
+    # calls in order: embedding, then (attention, MLP) per layer forward; LM head, then per layer backward
+    picks = {"forward (MLP out, layer 0)": calls[2][1],
+             "backward (MLP input grad, last layer)": [d_p for d_p in calls if d_p[0] == "bwd"][1][1]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rows = []
+    for ax, (name, partials) in zip(axes, picks.items()):
+        x = partials[0].float().reshape(-1)
+        n = x.numel() // 256 * 256
+        g = x[:n].view(-1, 256)
+        rms = g.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-30)
+        variants = {"raw": g, "Hadamard": taco.fwht(g) / 16, "ASH (alpha, Hadamard)": taco.fwht(g / rms) / 16}
+        for label, v in variants.items():
+            r = v.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-30)
+            kurt = ((v / r).pow(4).mean()).item()
+            ratio = (v.abs().amax(1, keepdim=True) / r).mean().item()
+            rows.append({"tensor": name, "variant": label, "mean block max/rms": f"{ratio:.2f}",
+                         "kurtosis": f"{kurt:.2f}", "std": f"{v.std().item():.3e}"})
+            ax.hist(v.reshape(-1).numpy(), bins=200, histtype="step", log=True, label=label, density=True)
+        ax.set(title=name, xlabel="value", ylabel="density (log)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"TP={world} all-reduce inputs of the demo model after {steps} steps (rank 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    save("histograms", rows, world=world, steps=steps,
+         note="a Gaussian has kurtosis 3 and, over 256 samples, mean max/rms about 2.9")
+    table(rows, ["tensor", "variant", "mean block max/rms", "kurtosis", "std"])
+    print(f"wrote {path}")
 
 
 # -----------------------------------------------------------------------------
@@ -357,6 +396,8 @@ if __name__ == "__main__":
         bench_kernels()
     elif what == "plot":
         plot_curves()
+    elif what == "histograms":
+        bench_histograms()
     elif what == "study":
         # python bench.py study GROUP [SEEDS] [--train.py overrides ...]
         group = sys.argv[2]
@@ -367,4 +408,4 @@ if __name__ == "__main__":
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot | study")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot | histograms | study")
