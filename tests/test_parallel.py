@@ -167,3 +167,26 @@ def test_model_tp_matches_single_rank(world):
 def test_bad_layouts_are_refused(kw, message):
     with pytest.raises(parallel.ConfigError, match=message):
         parallel.check_layout(**kw)
+
+
+# --- data parallelism -----------------------------------------------------------------------------
+
+def _dp_grads(rank, world):
+    """Two DP ranks, each with half of a batch, average their gradients: the result must be the
+    gradient of the whole batch on one rank (equal halves, so the mean of means is the mean)."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
+    y = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
+    model = GPT(CFG, seed=3)
+    half = slice(2 * rank, 2 * rank + 2)
+    model(x[half], y[half])[1].backward()
+    parallel.sync_dp_grads(list(model.parameters()), dist.group.WORLD, world, bucket_numel=5000)
+    ref = GPT(CFG, seed=3)
+    ref(x, y)[1].backward()
+    return [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+
+
+def test_dp_gradient_averaging_equals_the_whole_batch():
+    for pairs in run_ranks(_dp_grads, 2):
+        for g, ref in pairs:                      # small buckets: several all-reduces, big params alone
+            torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
