@@ -224,38 +224,55 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config, comm=None, seed=0):
+    """The whole GPT (stages=1) or one pipeline stage of it: stage s of S owns blocks
+    [s*L/S, (s+1)*L/S); the first stage also owns the embeddings, the last the final LayerNorm and
+    the LM head. The head is tied to the token embedding: with S > 1 the last stage holds a copy of
+    wte whose gradient is summed with the first stage's every step (parallel.sync_tied_grads), so
+    the two stay equal."""
+
+    def __init__(self, config, comm=None, seed=0, stage=0, stages=1):
         super().__init__()
         self.config = config
         self.comm = comm or TPComm()
         c = config
-        self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm)
-        self.wpe = nn.Embedding(c.block_size, c.n_embd)
-        self.drop = nn.Dropout(c.dropout)
-        self.h = nn.ModuleList([Block(c, self.comm) for _ in range(c.n_layer)])
-        self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+        self.stage, self.stages = stage, stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        per = c.n_layer // stages
+        self.layers = range(stage * per, (stage + 1) * per)       # global indices of this stage's blocks
+        if self.first or self.last:
+            self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm)
+            self.wte.weight.pp_tied_copy = not self.first       # counted once in the gradient norm
+        if self.first:
+            self.wpe = nn.Embedding(c.block_size, c.n_embd)
+            self.drop = nn.Dropout(c.dropout)
+        self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
+        if self.last:
+            self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
         self.init_weights(seed)
 
     # --- initialisation: full tensors from one generator, then this rank's slice ---
     def full_shapes(self):
-        """(module, attribute, full shape, std) in a fixed order: the same on every rank and TP degree."""
+        """(module or None if another stage owns it, attribute, full shape, std) for every weight of
+        the whole model, in a fixed order: the same on every rank, TP degree and pipeline stage."""
         c = self.config
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)   # GPT-2: scale residual projections
-        yield self.wte, "weight", (c.padded_vocab, c.n_embd), 0.02
-        yield self.wpe, "weight", (c.block_size, c.n_embd), 0.02
-        for b in self.h:
-            yield b.attn.qkv, "weight", (3 * c.n_embd, c.n_embd), 0.02
-            yield b.attn.proj, "weight", (c.n_embd, c.n_embd), proj_std
-            yield b.mlp.fc, "weight", (4 * c.n_embd, c.n_embd), 0.02
-            yield b.mlp.proj, "weight", (c.n_embd, 4 * c.n_embd), proj_std
+        owned = dict(zip(self.layers, self.h))
+        yield getattr(self, "wte", None), "weight", (c.padded_vocab, c.n_embd), 0.02
+        yield getattr(self, "wpe", None), "weight", (c.block_size, c.n_embd), 0.02
+        for i in range(c.n_layer):
+            b = owned.get(i)
+            yield b and b.attn.qkv, "weight", (3 * c.n_embd, c.n_embd), 0.02
+            yield b and b.attn.proj, "weight", (c.n_embd, c.n_embd), proj_std
+            yield b and b.mlp.fc, "weight", (4 * c.n_embd, c.n_embd), 0.02
+            yield b and b.mlp.proj, "weight", (c.n_embd, 4 * c.n_embd), proj_std
 
     @torch.no_grad()
     def init_weights(self, seed):
         gen = torch.Generator().manual_seed(seed)
         for mod, attr, shape, std in self.full_shapes():
-            full = torch.randn(shape, generator=gen) * std
-            part = mod.shard(full) if hasattr(mod, "shard") else full
-            getattr(mod, attr).copy_(part)
+            full = torch.randn(shape, generator=gen) * std             # drawn even if not ours
+            if mod is not None:
+                getattr(mod, attr).copy_(mod.shard(full) if hasattr(mod, "shard") else full)
         for m in self.modules():                 # biases zero, LayerNorm weight one
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.bias is not None:
                 m.bias.zero_()
@@ -265,19 +282,28 @@ class GPT(nn.Module):
                     m.bias.zero_()
 
     def num_params(self, non_embedding=True):
-        """Parameters of the whole (unsharded) model; tp_split parameters are split evenly."""
-        n = sum(p.numel() * (self.comm.size if getattr(p, "tp_split", False) else 1) for p in self.parameters())
-        return n - (self.wpe.weight.numel() if non_embedding else 0)
+        """Parameters of the whole model (all stages, unsharded), from the config."""
+        c, C, b = self.config, self.config.n_embd, int(self.config.bias)
+        per_layer = 12 * C * C + b * 9 * C + 2 * (C + b * C)        # 4 linears (+ biases), 2 LayerNorms
+        n = c.padded_vocab * C + c.block_size * C + c.n_layer * per_layer + (C + b * C)
+        return n - (c.block_size * C if non_embedding else 0)
 
     # --- forward ---
-    def forward(self, idx, targets=None):
-        """idx: (B, T) token ids. Returns (logits, loss). logits are this rank's vocabulary slice
-        (B, T, V_padded/tp) — all positions with targets, the last position only without."""
-        B, T = idx.shape
-        assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))   # (B, T, C)
+    def forward(self, idx, targets=None, hidden=None):
+        """idx: (B, T) token ids (first stage), hidden: (B, T, C) from the previous stage (others).
+        Returns (logits, loss) on the last stage: logits are this rank's vocabulary slice
+        (B, T, V_padded/tp), all positions with targets, the last position only without.
+        Other stages return (hidden state for the next stage, None)."""
+        if self.first:
+            B, T = idx.shape
+            assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
+            x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))   # (B, T, C)
+        else:
+            x = hidden
         for block in self.h:
             x = block(x)
+        if not self.last:
+            return x, None
         x = self.ln_f(x)
         if targets is None:
             x = x[:, -1:, :]
@@ -295,6 +321,7 @@ class GPT(nn.Module):
 
     def full_logits(self, idx):
         """Last-position logits over the whole vocabulary (gathered over TP): for sampling only."""
+        assert self.stages == 1, "sampling is implemented for pp = 1 only"
         logits, _ = self(idx)
         logits = logits[:, -1, :].float().contiguous()                                # (B, V/tp)
         if self.comm.size > 1:

@@ -21,8 +21,9 @@ TP emulation (`TPComm.emulate = t` on a single rank) makes every TP all-reduce n
 TP=t group would send and receive: the partial sums are formed as t ranks would form them and
 combined by taco.emulated_all_reduce. One GPU can so study TP=8 compression.
 
-Pipeline parallelism is not implemented yet (pp must be 1). Data parallelism averages gradients
-over the DP group in flat buckets after the backward pass.
+Pipeline parallelism splits the blocks over pp stages and runs microbatches through them with a
+GPipe or 1F1B schedule (point-to-point sends of the (B, T, C) activations and their gradients).
+Data parallelism averages gradients over the DP group in flat buckets after the backward pass.
 """
 import os
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Grid:
     tp_group: object = None
     pp_group: object = None
     dp_group: object = None
+    tied_group: object = None     # first and last pipeline stage of this (dp, tp) position (tied wte)
 
 
 def check_layout(tp, pp, dp, world, n_head=None, n_embd=None, vocab_size=None, n_layer=None):
@@ -65,8 +67,9 @@ def check_layout(tp, pp, dp, world, n_head=None, n_embd=None, vocab_size=None, n
     if tp * pp * dp != world:
         raise ConfigError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} but the world size is {world}: "
                           f"launch with torchrun --nproc_per_node={tp * pp * dp} or change tp/pp/dp")
-    if pp != 1:
-        raise ConfigError(f"pp={pp}: pipeline parallelism is not implemented yet; set pp=1")
+    if n_layer is not None and n_layer % pp:
+        raise ConfigError(f"n_layer={n_layer} is not divisible by pp={pp}: every pipeline stage gets the "
+                          f"same number of blocks; pick pp from the divisors of n_layer")
     if n_head is not None and n_head % tp:
         raise ConfigError(f"n_head={n_head} is not divisible by tp={tp}: each TP rank must own whole "
                           f"attention heads; pick tp from the divisors of n_head")
@@ -110,6 +113,13 @@ def init_grid(tp=1, pp=1, dp=None, backend=None):
             g = dist.new_group(ranks[:, p, t].tolist())
             if rank in ranks[:, p, t].tolist():
                 grid.dp_group = g
+    if pp > 1:
+        for d in range(dp):
+            for t in range(tp):
+                ends = [ranks[d, 0, t].item(), ranks[d, pp - 1, t].item()]
+                g = dist.new_group(ends)
+                if rank in ends:
+                    grid.tied_group = g
     (grid.dp_rank,), (grid.pp_rank,), (grid.tp_rank,) = [
         x.tolist() for x in (ranks == rank).nonzero(as_tuple=True)]
     return grid
@@ -248,6 +258,81 @@ class EmulatedColumnLinear(torch.autograd.Function):
             if ctx.has_bias:
                 gb[r] = g2.sum(0).to(w.dtype)
         return gx.to(x.dtype), gw, gb, None, None
+
+
+# -----------------------------------------------------------------------------
+# pipeline parallelism
+
+def pipeline_schedule(kind, microbatches, stage, stages):
+    """The order in which one stage runs the forward (F) and backward (B) of each microbatch.
+    gpipe: all forwards, then all backwards; a stage holds all M microbatches' activations.
+    1f1b (PipeDream-flush, Narayanan et al. 2021): stages - stage - 1 warm-up forwards, then one
+    forward / one backward in turn, then the remaining backwards; at most stages - stage in flight.
+    Both run the backwards in microbatch order, so gradients accumulate in the same order."""
+    M = microbatches
+    if kind == "gpipe":
+        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
+    if kind != "1f1b":
+        raise ConfigError(f"schedule={kind!r}: choose gpipe or 1f1b")
+    warm = min(stages - stage - 1, M)
+    acts = [("F", i) for i in range(warm)]
+    for i in range(warm, M):
+        acts += [("F", i), ("B", i - warm)]
+    return acts + [("B", i) for i in range(M - warm, M)]
+
+
+def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False):
+    """Run one stage's part of a pipeline step. forward(i, hidden) -> (out, loss) runs microbatch i
+    on this stage (loss on the last stage, already divided by the number of microbatches).
+    Activations go to the next stage (global rank + tp) and gradients back (rank - tp) with
+    asynchronous sends and blocking receives; messages between two stages arrive in the order sent,
+    which both schedules respect. Returns the summed loss on the last stage, else None."""
+    first, last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
+    prev, nxt = grid.rank - grid.tp, grid.rank + grid.tp
+    inputs, outputs, sends, total = {}, {}, [], None
+
+    def trace(msg):
+        if verbose:
+            print(f"[rank {grid.rank} stage {grid.pp_rank}] {msg}", flush=True)
+
+    for kind, i in actions:
+        if kind == "F":
+            h = None
+            if not first:
+                h = torch.empty(shape, dtype=dtype, device=device)
+                dist.recv(h, prev)
+                trace(f"F{i}: received activation from rank {prev}")
+                h.requires_grad_(torch.is_grad_enabled())
+            out, loss = forward(i, h)
+            if last:
+                total = loss.detach() if total is None else total + loss.detach()
+            else:
+                sends.append((dist.isend(out.detach().contiguous(), nxt), out))   # keep the tensor alive
+                trace(f"F{i}: sent activation to rank {nxt}")
+            if torch.is_grad_enabled():
+                inputs[i], outputs[i] = h, (loss if last else out)
+        else:
+            y = outputs.pop(i)                      # freed once its backward has run
+            if last:
+                y.backward()
+            else:
+                g = torch.empty_like(y)
+                dist.recv(g, nxt)
+                trace(f"B{i}: received gradient from rank {nxt}")
+                y.backward(g)
+            h = inputs.pop(i)
+            if not first:
+                sends.append((dist.isend(h.grad.contiguous(), prev), h.grad))
+                trace(f"B{i}: sent gradient to rank {prev}")
+    for work, _ in sends:
+        work.wait()
+    return total
+
+
+def sync_tied_grads(model, grid):
+    """Sum the tied embedding's gradient over its two copies (first and last stage)."""
+    if grid.pp > 1 and (model.first or model.last) and model.wte.weight.grad is not None:
+        dist.all_reduce(model.wte.weight.grad, group=grid.tied_group)
 
 
 # -----------------------------------------------------------------------------

@@ -37,7 +37,7 @@ dropout = 0.0
 bias = True
 # batch: tokens per step = batch_size * block_size * gradient_accumulation_steps * dp
 batch_size = 16
-gradient_accumulation_steps = 1
+gradient_accumulation_steps = 1     # with pp > 1: the pipeline's micro-batches
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
 learning_rate = 2e-3
 min_lr = 2e-4
@@ -60,6 +60,8 @@ sample_prompt = "\n"
 # parallelism: world = tp * pp * dp (dp is derived)
 tp = 1
 pp = 1
+schedule = "1f1b"               # pipeline schedule: 1f1b | gpipe
+pp_verbose = False              # print every pipeline send/receive (for learning how a schedule runs)
 tp_emulate = 1                  # > 1 with tp=1: every TP all-reduce computed as a TP=t group would (one GPU studies TP=8)
 # tensor-parallel compression (taco.py): codec for forward activations / backward gradients
 tp_codec = "none"
@@ -110,8 +112,13 @@ def check_config(cfg, world):
     if world % (cfg["tp"] * cfg["pp"]):
         raise parallel.ConfigError(f"world size {world} is not divisible by tp*pp = {cfg['tp'] * cfg['pp']}: "
                                    f"launch with a multiple of {cfg['tp'] * cfg['pp']} processes")
-    parallel.check_layout(cfg["tp"], cfg["pp"], world // (cfg["tp"] * cfg["pp"]), world,
-                          mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
+    dp = world // (cfg["tp"] * cfg["pp"])
+    parallel.check_layout(cfg["tp"], cfg["pp"], dp, world, mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
+    if cfg["eval_interval"] and cfg["eval_iters"] % dp:
+        raise parallel.ConfigError(f"eval_iters={cfg['eval_iters']} is not divisible by dp={dp}: every DP rank "
+                                   f"evaluates the same number of batches; use a multiple of {dp}")
+    if cfg["schedule"] not in ("1f1b", "gpipe"):
+        raise parallel.ConfigError(f"schedule={cfg['schedule']!r}: choose 1f1b or gpipe")
     if cfg["tp_emulate"] > 1:
         t = cfg["tp_emulate"]
         if cfg["tp"] != 1 or cfg["taco_chunks"] != 1:
@@ -130,16 +137,19 @@ def check_config(cfg, world):
 
 class Batches:
     """Random windows from a uint16 memmap. Stateless: the batch for (iteration, micro-step,
-    dp rank) is a pure function of the seed, so resuming from a checkpoint is bit-exact."""
+    dp rank) is a pure function of the seed, so resuming from a checkpoint is bit-exact. DP rank d
+    of D takes the global micro-batches d, D + d, 2D + d, ...: one rank with D times the
+    micro-steps sees exactly the same samples (what the parity tests compare)."""
 
-    def __init__(self, dataset, block_size, batch_size, seed, dp_rank, device):
+    def __init__(self, dataset, block_size, batch_size, seed, dp_rank, device, dp=1):
         self.data = {s: np.memmap(os.path.join("data", dataset, f"{s}.bin"), dtype=np.uint16, mode="r")
                      for s in ("train", "val")}
-        self.T, self.B, self.seed, self.dp_rank, self.device = block_size, batch_size, seed, dp_rank, device
+        self.T, self.B, self.seed, self.dp_rank, self.dp, self.device = block_size, batch_size, seed, dp_rank, dp, device
 
     def get(self, split, it, micro=0):
         data = self.data[split]
-        key = (((self.seed * 1_000_003 + (split == "val")) * 1_000_003 + it) * 1009 + micro) * 1009 + self.dp_rank
+        g = micro * self.dp + self.dp_rank                        # the global micro-batch index
+        key = (((self.seed * 1_000_003 + (split == "val")) * 1_000_003 + it) * 1009 + g) * 1009
         g = torch.Generator().manual_seed(key % 2 ** 62)
         ix = torch.randint(len(data) - self.T - 1, (self.B,), generator=g).tolist()
         x = torch.stack([torch.from_numpy(data[i:i + self.T].astype(np.int64)) for i in ix])
@@ -156,16 +166,21 @@ def get_lr(it, c):
     return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
 
 
-def clip_grad_norm(params, max_norm, tp_group):
-    """Global gradient norm over the whole (sharded) model: the squares of TP-split parameters are
-    summed over the TP group, replicated ones counted once."""
-    split = [p.grad for p in params if p.grad is not None and getattr(p, "tp_split", False)]
-    repl = [p.grad for p in params if p.grad is not None and not getattr(p, "tp_split", False)]
-    sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros(())
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sq, group=tp_group)
+def clip_grad_norm(params, max_norm, grid):
+    """Global gradient norm over the whole (sharded, staged) model: the squares of TP-split
+    parameters are summed over the TP group, replicated ones counted once, then every pipeline
+    stage's sum is added (the last stage's copy of the tied embedding is not counted twice)."""
+    grads = [p for p in params if p.grad is not None and not getattr(p, "pp_tied_copy", False)]
+    split = [p.grad for p in grads if getattr(p, "tp_split", False)]
+    repl = [p.grad for p in grads if not getattr(p, "tp_split", False)]
+    dev = params[0].device
+    sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros((), device=dev)
+    if grid.tp > 1:
+        dist.all_reduce(sq, group=grid.tp_group)
     if repl:
         sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum().to(sq.device)
+    if grid.pp > 1:
+        dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
@@ -229,7 +244,7 @@ def main():
                                       emulate=tp_emulate)
     mcfg = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                      dropout=dropout, bias=bias)
-    model = GPT(mcfg, comm, seed=seed).to(dev)
+    model = GPT(mcfg, comm, seed=seed, stage=grid.pp_rank, stages=grid.pp).to(dev)
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -254,22 +269,43 @@ def main():
         print(f"model: {model.num_params() / 1e6:.2f} M parameters (non-embedding), "
               f"{model.num_params(False) / 1e6:.2f} M in all")
 
-    batches = Batches(dataset, block_size, batch_size, seed, grid.dp_rank, dev)
+    batches = Batches(dataset, block_size, batch_size, seed, grid.dp_rank, dev, grid.dp)
     autocast = torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32)
     tokens_per_iter = batch_size * block_size * gradient_accumulation_steps * grid.dp
     flops_per_iter = (6 * model.num_params() + 12 * n_layer * n_embd * block_size) * tokens_per_iter
+
+    def mean_loss(split, it, n, train):
+        """Mean loss of the n micro-batches of iteration `it` (and their backward if train), known
+        on every rank: a plain loop at pp = 1, the pipeline schedule otherwise."""
+        def forward(i, hidden):
+            x, y = batches.get(split, it, i)
+            with autocast:
+                out, loss = fwd_model(x if model.first else None, y if model.last else None, hidden)
+            return out, (None if loss is None else loss / n)
+        if grid.pp == 1:
+            total = 0.0
+            for i in range(n):
+                loss = forward(i, None)[1]
+                if train:
+                    loss.backward()
+                total = total + loss.detach()
+            return total
+        actions = (parallel.pipeline_schedule(schedule, n, grid.pp_rank, grid.pp) if train
+                   else [("F", i) for i in range(n)])
+        total = parallel.run_pipeline(actions, forward, grid, (batch_size, block_size, n_embd), torch.float32,
+                                      dev, verbose=pp_verbose)
+        total = total if model.last else torch.zeros((), device=dev)
+        dist.broadcast(total, src=grid.rank + (grid.pp - 1 - grid.pp_rank) * grid.tp, group=grid.pp_group)
+        return total
 
     @torch.no_grad()
     def evaluate(it):
         model.eval()
         out = {}
         for split in ("train", "val"):
-            losses = torch.zeros(eval_iters, device=dev)
-            for k in range(eval_iters):
-                x, y = batches.get(split, -1 - it, k)     # negative "iterations": never a training batch
-                with autocast:
-                    losses[k] = fwd_model(x, y)[1]
-            loss = losses.mean()
+            # the same eval_iters micro-batches whatever the layout: DP rank d takes d, d + dp, ...
+            # (negative "iterations": never trained on)
+            loss = mean_loss(split, -1 - it, eval_iters // grid.dp, train=False)
             if grid.dp > 1:
                 dist.all_reduce(loss, group=grid.dp_group)
                 loss /= grid.dp
@@ -298,16 +334,12 @@ def main():
             group["lr"] = lr
         torch.manual_seed(seed + 100003 * it + grid.dp_rank)   # dropout RNG: stateless, same on TP peers
         comm.stats.reset()
-        for micro in range(gradient_accumulation_steps):
-            x, y = batches.get("train", it, micro)
-            with autocast:
-                _, loss = fwd_model(x, y)
-            (loss / gradient_accumulation_steps).backward()
+        lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
+        parallel.sync_tied_grads(model, grid)
         parallel.sync_dp_grads(params, grid.dp_group, grid.dp)
-        gnorm = clip_grad_norm(params, grad_clip, grid.tp_group)
+        gnorm = clip_grad_norm(params, grad_clip, grid)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        lossf = loss.detach()
         if grid.dp > 1:
             dist.all_reduce(lossf, group=grid.dp_group)
             lossf /= grid.dp
@@ -347,7 +379,9 @@ def main():
         bar.close()
 
     # === a sample, so you can see what it learned ===
-    if sample_tokens > 0:
+    if sample_tokens > 0 and grid.pp > 1 and master:
+        print("(no sample: generation is implemented for pp = 1 only)")
+    if sample_tokens > 0 and grid.pp == 1:
         from data.tokenizer import get_encoding
         enc = get_encoding()
         model.eval()

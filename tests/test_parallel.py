@@ -160,7 +160,7 @@ def test_model_tp_matches_single_rank(world):
 @pytest.mark.parametrize("kw, message", [
     (dict(tp=2, pp=1, dp=1, world=4), "world size is 4"),
     (dict(tp=3, pp=1, dp=1, world=3, n_head=4), "n_head=4 is not divisible by tp=3"),
-    (dict(tp=2, pp=2, dp=1, world=4), "pipeline parallelism is not implemented"),
+    (dict(tp=1, pp=3, dp=1, world=3, n_layer=4), "n_layer=4 is not divisible by pp=3"),
     (dict(tp=0, pp=1, dp=1, world=1), "must be a positive integer"),
     (dict(tp=5, pp=1, dp=1, world=5, n_head=5, n_embd=80, vocab_size=50304), "vocabulary"),
 ])
