@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel import EmulatedColumnLinear, EmulatedReduceFromTP, TPComm, copy_to_tp, reduce_from_tp
+from parallel import EmulatedColumnLinear, EmulatedReduceFromTP, TPComm, enter_tp, leave_tp
 
 
 @dataclass
@@ -77,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         x = autocast_input(x)
         if self.comm.emulate > 1:
             return EmulatedColumnLinear.apply(x, self.weight, self.bias, self.comm, self.parts)
-        return F.linear(copy_to_tp(x, self.comm), self.weight, self.bias)   # (B, T, out/tp)
+        return F.linear(enter_tp(x, self.comm), self.weight, self.bias)     # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -102,7 +102,7 @@ class RowParallelLinear(nn.Module):
             xs, ws = x.chunk(self.comm.emulate, dim=-1), self.weight.chunk(self.comm.emulate, dim=-1)
             y = EmulatedReduceFromTP.apply(self.comm, *[F.linear(a.contiguous(), w) for a, w in zip(xs, ws)])
         else:
-            y = reduce_from_tp(F.linear(x, self.weight), self.comm)        # (B, T, out)
+            y = leave_tp(F.linear(x, self.weight), self.comm)              # (B, T, out), SP: (B, T/tp, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -135,7 +135,7 @@ class VocabParallelEmbedding(nn.Module):
             return EmulatedReduceFromTP.apply(self.comm, *[self.lookup(idx, w, r * per) for r, w in enumerate(shards)])
         if self.comm.size == 1:
             return F.embedding(idx, self.weight)
-        return reduce_from_tp(self.lookup(idx, self.weight, self.start), self.comm)   # (B, T, C)
+        return leave_tp(self.lookup(idx, self.weight, self.start), self.comm)    # (B, T, C), SP: (B, T/tp, C)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -189,9 +189,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(self.n_head * self.hd, dim=2)                       # 3 x (B, T, C/tp)
+    def forward(self, x):                        # x: (B, T, C), with sequence parallelism (B, T/tp, C)
+        qkv = self.qkv(x)                                                                 # (B, T, 3C/tp)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.n_head * self.hd, dim=2)                                # 3 x (B, T, C/tp)
         q, k, v = (t.view(B, T, self.n_head, self.hd).transpose(1, 2) for t in (q, k, v))  # (B, h/tp, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
@@ -297,21 +298,25 @@ class GPT(nn.Module):
         if self.first:
             B, T = idx.shape
             assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
-            x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))   # (B, T, C)
+            pos = torch.arange(T, device=idx.device)
+            if self.comm.sp:                         # this rank's slice of the sequence
+                assert T % self.comm.size == 0, f"sequence parallelism needs T ({T}) divisible by tp"
+                pos = pos.chunk(self.comm.size)[self.comm.rank]
+            x = self.drop(self.wte(idx) + self.wpe(pos))                             # (B, T, C), SP: (B, T/tp, C)
         else:
             x = hidden
         for block in self.h:
             x = block(x)
         if not self.last:
             return x, None
-        x = self.ln_f(x)
-        if targets is None:
-            x = x[:, -1:, :]
-        x = autocast_input(x)
+        x = autocast_input(self.ln_f(x))
         if self.comm.emulate > 1:
+            x = x if targets is not None else x[:, -1:, :]
             logits = EmulatedColumnLinear.apply(x, self.wte.weight, None, self.comm, 1)
         else:
-            logits = F.linear(copy_to_tp(x, self.comm), self.wte.weight)    # (B, T, V/tp) tied head
+            x = enter_tp(x, self.comm)                                         # SP: gathered to (B, T, C)
+            x = x if targets is not None else x[:, -1:, :]
+            logits = F.linear(x, self.wte.weight)                              # (B, T, V/tp) tied head
         if targets is None:
             return logits, None
         n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded

@@ -13,6 +13,10 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3) needs two conju
     f = copy_to_tp      forward: identity          backward: all-reduce   (before a column-parallel layer)
     g = reduce_from_tp  forward: all-reduce        backward: identity     (after a row-parallel layer)
 
+With sequence parallelism (Korthikanti et al. 2022) the activations between the TP blocks are
+sharded along the sequence, f becomes an all-gather and g a reduce-scatter (the two halves of the
+all-reduce), both through taco.all_gather / taco.reduce_scatter, so they are compressed too.
+
 Both go through ONE function, `TPComm.all_reduce`, which is the place where `taco.py` compresses
 the traffic (TACO paper, Fig. 2: the forward g and the backward f carry activations and activation
 gradients of size B*T*C, which is what TACO compresses).
@@ -146,6 +150,7 @@ class TPComm:
     stats: taco.CommStats = field(default_factory=taco.CommStats)
     capture: list = None         # if a list: (direction, copy of x) of every call is appended
     emulate: int = 1             # > 1 (with size 1): compute as a TP=emulate group would (see below)
+    sp: bool = False             # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
 
     def codec_for(self, x, direction):
         """The codec a real TP all-reduce of x would use (min_bytes applies, as in taco.all_reduce)."""
@@ -161,6 +166,23 @@ class TPComm:
         codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return taco.all_reduce(x, group=self.group, codec=codec, block_size=self.block_size,
                                chunks=self.chunks, min_bytes=self.min_bytes, stats=self.stats)
+
+
+    def reduce_scatter_seq(self, x, direction):
+        """(B, T, C) partial sums -> this rank's summed sequence slice (B, T/tp, C)."""
+        B, T, C = x.shape
+        flat = x.transpose(0, 1).contiguous().view(-1)            # (T, B, C): slices are contiguous
+        out = taco.reduce_scatter(flat, group=self.group, codec=self.codec_for(x, direction),
+                                  block_size=self.block_size, stats=self.stats)
+        return out.view(T // self.size, B, C).transpose(0, 1).contiguous()
+
+    def all_gather_seq(self, x, direction):
+        """(B, T/tp, C) sequence slices -> the whole (B, T, C), every rank the same bits."""
+        B, t, C = x.shape
+        flat = x.transpose(0, 1).contiguous().view(-1)
+        out = taco.all_gather(flat, group=self.group, codec=self.codec_for(x, direction),
+                              block_size=self.block_size, stats=self.stats)
+        return out.view(t * self.size, B, C).transpose(0, 1).contiguous()
 
 
 def tp_comm_from_grid(grid, **kw):
@@ -190,6 +212,53 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class GatherFromSeq(torch.autograd.Function):
+    """Sequence-parallel f (Korthikanti et al. 2022): all-gather the sequence slices before a
+    column-parallel layer; the backward reduce-scatters the input gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather_seq(x, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.reduce_scatter_seq(grad, "bwd"), None
+
+
+class ScatterToSeq(torch.autograd.Function):
+    """Sequence-parallel g: reduce-scatter the row-parallel partial sums into sequence slices (the
+    all-reduce's first half); the backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.reduce_scatter_seq(x, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_gather_seq(grad.contiguous(), "bwd"), None
+
+
+def enter_tp(x, comm):
+    """Before a column-parallel layer: f, or with sequence parallelism its all-gather."""
+    return GatherFromSeq.apply(x, comm) if comm.sp and comm.size > 1 else copy_to_tp(x, comm)
+
+
+def leave_tp(x, comm):
+    """After a row-parallel layer (or the vocab-parallel embedding): g, or SP's reduce-scatter."""
+    return ScatterToSeq.apply(x, comm) if comm.sp and comm.size > 1 else reduce_from_tp(x, comm)
+
+
+def sync_sp_grads(params, comm):
+    """With sequence parallelism each TP rank sees only its slice of the tokens in LayerNorms,
+    biases added after the reduce-scatter and position embeddings: sum their gradients over TP."""
+    if comm.sp and comm.size > 1:
+        for p in params:
+            if p.grad is not None and not getattr(p, "tp_split", False):
+                dist.all_reduce(p.grad, group=comm.group)
 
 
 def copy_to_tp(x, comm):

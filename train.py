@@ -61,6 +61,7 @@ sample_prompt = "\n"
 tp = 1
 pp = 1
 schedule = "1f1b"               # pipeline schedule: 1f1b | gpipe
+sequence_parallel = False       # shard LayerNorm/residual regions along the sequence over the TP group
 pp_verbose = False              # print every pipeline send/receive (for learning how a schedule runs)
 tp_emulate = 1                  # > 1 with tp=1: every TP all-reduce computed as a TP=t group would (one GPU studies TP=8)
 # tensor-parallel compression (taco.py): codec for forward activations / backward gradients
@@ -119,6 +120,11 @@ def check_config(cfg, world):
                                    f"evaluates the same number of batches; use a multiple of {dp}")
     if cfg["schedule"] not in ("1f1b", "gpipe"):
         raise parallel.ConfigError(f"schedule={cfg['schedule']!r}: choose 1f1b or gpipe")
+    if cfg["sequence_parallel"] and cfg["block_size"] % cfg["tp"]:
+        raise parallel.ConfigError(f"sequence_parallel needs block_size ({cfg['block_size']}) divisible by "
+                                   f"tp={cfg['tp']}")
+    if cfg["sequence_parallel"] and cfg["tp_emulate"] > 1:
+        raise parallel.ConfigError("tp_emulate does not emulate sequence parallelism: drop one of them")
     if cfg["tp_emulate"] > 1:
         t = cfg["tp_emulate"]
         if cfg["tp"] != 1 or cfg["taco_chunks"] != 1:
@@ -241,7 +247,7 @@ def main():
     # === model, optimizer ===
     comm = parallel.tp_comm_from_grid(grid, fwd_codec=tp_codec, bwd_codec=tp_codec_bwd or tp_codec,
                                       block_size=codec_block, chunks=taco_chunks, min_bytes=taco_min_bytes,
-                                      emulate=tp_emulate)
+                                      emulate=tp_emulate, sp=sequence_parallel)
     mcfg = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                      dropout=dropout, bias=bias)
     model = GPT(mcfg, comm, seed=seed, stage=grid.pp_rank, stages=grid.pp).to(dev)
@@ -292,7 +298,8 @@ def main():
             return total
         actions = (parallel.pipeline_schedule(schedule, n, grid.pp_rank, grid.pp) if train
                    else [("F", i) for i in range(n)])
-        total = parallel.run_pipeline(actions, forward, grid, (batch_size, block_size, n_embd), torch.float32,
+        seq = block_size // grid.tp if sequence_parallel else block_size       # the activation between stages
+        total = parallel.run_pipeline(actions, forward, grid, (batch_size, seq, n_embd), torch.float32,
                                       dev, verbose=pp_verbose)
         total = total if model.last else torch.zeros((), device=dev)
         dist.broadcast(total, src=grid.rank + (grid.pp - 1 - grid.pp_rank) * grid.tp, group=grid.pp_group)
@@ -335,6 +342,7 @@ def main():
         torch.manual_seed(seed + 100003 * it + grid.dp_rank)   # dropout RNG: stateless, same on TP peers
         comm.stats.reset()
         lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
+        parallel.sync_sp_grads(params, comm)
         parallel.sync_tied_grads(model, grid)
         parallel.sync_dp_grads(params, grid.dp_group, grid.dp)
         gnorm = clip_grad_norm(params, grad_clip, grid)
@@ -379,9 +387,9 @@ def main():
         bar.close()
 
     # === a sample, so you can see what it learned ===
-    if sample_tokens > 0 and grid.pp > 1 and master:
-        print("(no sample: generation is implemented for pp = 1 only)")
-    if sample_tokens > 0 and grid.pp == 1:
+    if sample_tokens > 0 and (grid.pp > 1 or sequence_parallel) and master:
+        print("(no sample: generation is implemented for pp = 1 without sequence parallelism)")
+    if sample_tokens > 0 and grid.pp == 1 and not sequence_parallel:
         from data.tokenizer import get_encoding
         enc = get_encoding()
         model.eval()
