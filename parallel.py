@@ -407,8 +407,13 @@ def sync_tied_grads(model, grid):
 # -----------------------------------------------------------------------------
 # data parallelism
 
-def sync_dp_grads(params, group, world, bucket_numel=2 ** 24):
-    """Average gradients over the DP group: pack into flat fp32 buckets, one all-reduce each."""
+def sync_dp_grads(params, group, world, bucket_numel=2 ** 24, codec="none", stats=None, block_size=256):
+    """Average gradients over the DP group: pack into flat fp32 buckets, one all-reduce each.
+    With a codec (SDP4Bit-style, arXiv 2410.15526: Hadamard-smoothed low-bit gradients; `hint8` or
+    `hint4`) each bucket goes through the same two-shot compressed all-reduce as TP traffic.
+    (Of SDP4Bit we implement the gradient quantisation with a Hadamard rotation, at one bit width
+    for the whole all-reduce; not its two-level 8-bit intra-node / 4-bit inter-node split, and not
+    its 4-bit weight-difference all-gather for ZeRO, which we do not have.)"""
     if world == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
@@ -420,7 +425,7 @@ def sync_dp_grads(params, group, world, bucket_numel=2 ** 24):
             n += grads[i].numel()
             i += 1
         flat = torch.cat([g.reshape(-1).float() for g in bucket])
-        dist.all_reduce(flat, group=group)
+        taco.all_reduce(flat, group=group, codec=codec, block_size=block_size, stats=stats)
         flat /= world
         for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
             g.copy_(piece.view_as(g))

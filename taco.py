@@ -82,8 +82,8 @@ import torch.distributed as dist
 DEFAULT_CODEC = "hint8"          # the codec that measures best (README "Codecs"); `taco` is the paper
 DEFAULT_MIN_BYTES = 0            # below this many bytes, a plain all-reduce (train.py sets 8 MiB, measured)
 
-QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0}
-BITS = {"e4m3": 8, "e5m2": 8, "int8": 8, "int6": 6, "raw": 8}
+QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0, "int4": 7.0}
+BITS = {"e4m3": 8, "e5m2": 8, "int8": 8, "int6": 6, "int4": 4}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3_NAN = 0x7F
 
@@ -110,6 +110,7 @@ CODECS = {
     # ours
     "hint8":      CodecSpec(False, True,  "block",  "int8"),   # Hadamard + block absmax INT8
     "hint6":      CodecSpec(False, True,  "block",  "int6"),   # same, 6-bit codes, 4 per 3 bytes
+    "hint4":      CodecSpec(False, True,  "block",  "int4"),   # same, 4-bit codes (SDP4Bit-style DP gradients)
 }
 
 
@@ -174,19 +175,33 @@ def unpack_int6(b):
     return ((u ^ 32) - 32).reshape(*b.shape[:-1], -1)          # sign-extend 6 bits
 
 
+def pack_int4(q):
+    """(..., 2k) int codes in [-7, 7] -> (..., k) bytes, the first code in the low nibble."""
+    u = (q.to(torch.int32) & 15).reshape(*q.shape[:-1], -1, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8)
+
+
+def unpack_int4(b):
+    t = b.to(torch.int32)
+    u = torch.stack((t & 15, t >> 4), dim=-1)
+    return ((u ^ 8) - 8).reshape(*b.shape[:-1], -1)             # sign-extend 4 bits
+
+
 def quantize(y, fmt):
     """y already scaled into [-QMAX, QMAX] (finite). E4M3/E5M2: RNE with saturation; INT: RNE."""
     y = y.clamp(-QMAX[fmt], QMAX[fmt])
     if fmt in FP8_DTYPE:
         return y.to(FP8_DTYPE[fmt]).view(torch.uint8)
     q = torch.round(y)                                          # round half to even
-    return q.to(torch.int8).view(torch.uint8) if fmt == "int8" else pack_int6(q)
+    return {"int8": lambda: q.to(torch.int8).view(torch.uint8), "int6": lambda: pack_int6(q),
+            "int4": lambda: pack_int4(q)}[fmt]()
 
 
 def dequantize(b, fmt):
     if fmt in FP8_DTYPE:
         return b.view(FP8_DTYPE[fmt]).float()
-    return b.view(torch.int8).float() if fmt == "int8" else unpack_int6(b).float()
+    return {"int8": lambda: b.view(torch.int8), "int6": lambda: unpack_int6(b),
+            "int4": lambda: unpack_int4(b)}[fmt]().float()
 
 
 # -----------------------------------------------------------------------------
@@ -393,7 +408,7 @@ def kernels_support(codec):
     """The kernels are built for B = 256 and cover the block- and scale-free codecs; the
     per-tensor-scale ablations (`fp8-tensor`, `hadamard`) need a grid-wide absmax and other block
     sizes need other register layouts: those run on the reference, also on the GPU."""
-    return codec.spec.scale != "tensor" and codec.B == 256
+    return codec.spec.scale != "tensor" and codec.B == 256 and codec.spec.fmt != "int4"
 
 
 class _Kernels:

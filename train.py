@@ -68,6 +68,7 @@ tp_emulate = 1                  # > 1 with tp=1: every TP all-reduce computed as
 tp_codec = "none"
 tp_codec_bwd = ""               # "" = same as tp_codec
 codec_block = 256
+dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
 taco_chunks = 1                 # measured on 2xH200: more chunks only add host overhead (README)
 taco_min_bytes = 8388608        # smaller all-reduces stay uncompressed: compression won only >= 16 MB (README)
 # system
@@ -130,7 +131,7 @@ def check_config(cfg, world):
         if cfg["tp"] != 1 or cfg["taco_chunks"] != 1:
             raise parallel.ConfigError(f"tp_emulate={t} emulates TP on one rank: set tp=1 and taco_chunks=1")
         parallel.check_layout(t, 1, 1, t, mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
-    for k in ("tp_codec", "tp_codec_bwd"):
+    for k in ("tp_codec", "tp_codec_bwd", "dp_codec"):
         if cfg[k] not in ("", "none") and cfg[k] not in taco.CODECS:
             raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from none, {', '.join(taco.CODECS)}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
@@ -276,6 +277,7 @@ def main():
               f"{model.num_params(False) / 1e6:.2f} M in all")
 
     batches = Batches(dataset, block_size, batch_size, seed, grid.dp_rank, dev, grid.dp)
+    dp_stats = taco.CommStats()
     autocast = torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32)
     tokens_per_iter = batch_size * block_size * gradient_accumulation_steps * grid.dp
     flops_per_iter = (6 * model.num_params() + 12 * n_layer * n_embd * block_size) * tokens_per_iter
@@ -341,10 +343,11 @@ def main():
             group["lr"] = lr
         torch.manual_seed(seed + 100003 * it + grid.dp_rank)   # dropout RNG: stateless, same on TP peers
         comm.stats.reset()
+        dp_stats.reset()
         lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
         parallel.sync_sp_grads(params, comm)
         parallel.sync_tied_grads(model, grid)
-        parallel.sync_dp_grads(params, grid.dp_group, grid.dp)
+        parallel.sync_dp_grads(params, grid.dp_group, grid.dp, codec=dp_codec, stats=dp_stats, block_size=codec_block)
         gnorm = clip_grad_norm(params, grad_clip, grid)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -369,10 +372,13 @@ def main():
             if grid.tp > 1:
                 s = comm.stats
                 line += (f" | tp {s.calls:3d} ar {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}")
+            if grid.dp > 1:
+                line += f" | dp {dp_stats.wire_bytes / 2 ** 20:8.2f} MiB wire x{dp_stats.ratio:4.2f}"
             if master:
                 log(line)
             record(iter=it + 1, loss=loss_sum / nsum, lr=lr, ms=dt * 1000, tok_s=tokens_per_iter / dt,
-                   tp_wire_bytes=comm.stats.wire_bytes, tp_ratio=comm.stats.ratio)
+                   tp_wire_bytes=comm.stats.wire_bytes, tp_ratio=comm.stats.ratio,
+                   dp_wire_bytes=dp_stats.wire_bytes, dp_ratio=dp_stats.ratio)
             t0, loss_sum, nsum = time.time(), 0.0, 0
         last = it + 1 == max_iters
         if eval_interval and ((it + 1) % eval_interval == 0 or last):

@@ -84,3 +84,15 @@ def test_compressed_sequence_parallel_tracks_the_reference(tmp_path, reference):
     assert max(abs(a - b) for a, b in zip(train, reference[0])) < 1e-3
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
         assert json.loads(f.readline())["tp_ratio"] > 3.5
+
+
+def test_compressed_dp_gradients_track_the_reference(tmp_path, reference):
+    """SDP4Bit-style DP: the gradient all-reduce through the two-shot compressed all-reduce with
+    hint8 (fp32 -> ~1 byte per value: ratio > 3.5) stays within 0.01 nats of the uncompressed curve
+    (measured: 1e-3 after 4 steps; the loss itself moves 0.18 in those steps). Adam divides each
+    update by the gradient's running RMS, so gradient noise reaches the weights undamped."""
+    run(TINY + ["--dp_codec=hint8", "--gradient_accumulation_steps=2", f"--out_dir={tmp_path}"], nproc=2)
+    train, _ = losses(str(tmp_path))
+    assert max(abs(a - b) for a, b in zip(train, reference[0])) < 0.01
+    with open(os.path.join(tmp_path, "log.jsonl")) as f:
+        assert json.loads(f.readline())["dp_ratio"] > 3.5
