@@ -13,12 +13,6 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
         "--eval_iters=2", "--progress=False", "--sample_tokens=0", "--log_interval=1"]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def small_dataset():
-    if not os.path.exists(os.path.join(ROOT, "data", "small", "val.bin")):
-        subprocess.run([sys.executable, "data/prepare.py", "small"], cwd=ROOT, check=True)
-
-
 def run(args, nproc=1, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py"]
