@@ -13,13 +13,13 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3) needs two conju
     f = copy_to_tp      forward: identity          backward: all-reduce   (before a column-parallel layer)
     g = reduce_from_tp  forward: all-reduce        backward: identity     (after a row-parallel layer)
 
-With sequence parallelism (Korthikanti et al. 2022) the activations between the TP blocks are
-sharded along the sequence, f becomes an all-gather and g a reduce-scatter (the two halves of the
-all-reduce), both through taco.all_gather / taco.reduce_scatter, so they are compressed too.
-
 Both go through ONE function, `TPComm.all_reduce`, which is the place where `taco.py` compresses
 the traffic (TACO paper, Fig. 2: the forward g and the backward f carry activations and activation
 gradients of size B*T*C, which is what TACO compresses).
+
+With sequence parallelism (Korthikanti et al. 2022) the activations between the TP blocks are
+sharded along the sequence, f becomes an all-gather and g a reduce-scatter (the two halves of the
+all-reduce), both through taco.all_gather / taco.reduce_scatter, so they are compressed too.
 
 TP emulation (`TPComm.emulate = t` on a single rank) makes every TP all-reduce numerically what a
 TP=t group would send and receive: the partial sums are formed as t ranks would form them and
