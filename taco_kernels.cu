@@ -4,13 +4,18 @@
 // [8t, 8t+8) in registers, so a block is read from memory once and written once:
 //
 //   load (16 B per lane for bf16) -> [sum of squares -> alpha] -> Walsh-Hadamard (3 in-register
-//   butterfly stages + 5 xor-shuffle stages) -> absmax (xor-shuffle max) -> scale -> codes
-//   -> 8 B (or 6 B for INT6) per lane + one lane writes the block's fp32 (alpha, s)
+//   butterfly stages + 5 xor-shuffle stages) -> absmax (integer max + warp redux) -> scale
+//   -> codes -> 8 B (6 B for INT6) per lane + one lane writes the block's fp32 (alpha, s)
+//
+// Each warp takes K = 4 consecutive blocks and issues their loads before computing; the grid is
+// (blocks per message / (8 warps * K), messages). Measured on H200 (README): 39% of copy bandwidth
+// for compress, 50% for decompress, issue-bound (ncu: ~380 warp instructions per block, the
+// Hadamard's 40 shuffles the largest share).
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
-// fp32 products and sums built without FMA contraction (build with -fmad=false), the sum of
-// squares folded in the reference's order, IEEE division and sqrt. That is what makes the codes
-// bit-identical to the PyTorch reference.
+// fp32 products and sums built without FMA contraction (build with -fmad=false; the one explicit
+// FMA multiplies by +-1, which is exact), the sum of squares folded in the reference's order, IEEE
+// division and sqrt. That is what makes the codes bit-identical to the PyTorch reference.
 //
 // Plain CUDA: no PyTorch headers, so an edit here recompiles in a couple of seconds.
 #include <cuda_bf16.h>
