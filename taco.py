@@ -135,7 +135,7 @@ def block_sumsq(g):
     """Sum of squares of each block in the kernel's order: thread t of a 32-lane warp owns the
     B/32 consecutive elements [t*E, (t+1)*E) and sums them left to right; then the warp folds with
     xor-shuffles 16, 8, 4, 2, 1 (lane i adds lane i^m; the same as folding halves)."""
-    nb, B = g.shape[-2], g.shape[-1]
+    B = g.shape[-1]
     sq = (g * g).reshape(*g.shape[:-1], 32, B // 32)
     acc = sq[..., 0]
     for j in range(1, sq.shape[-1]):
@@ -144,6 +144,15 @@ def block_sumsq(g):
         half = acc.shape[-1] // 2
         acc = acc[..., :half] + acc[..., half:]
     return acc[..., 0]
+
+
+def rank_order_sum(parts):
+    """parts[0] + parts[1] + ... in that order, in fp32: the one summation order every path uses
+    (reference, kernels, emulation), which is what makes their results bit-identical."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc
 
 
 def fdiv(a, b):
@@ -340,11 +349,7 @@ class Codec:
         """Decode P messages, sum in fp32 in message order 0..P-1, re-encode as one message."""
         if self._kernel_ok(buf):
             return _kernels().reduce_encode(self, buf, L)
-        parts = self._decode_ref(buf, L)
-        acc = parts[0]
-        for r in range(1, parts.shape[0]):
-            acc = acc + parts[r]
-        return self._encode_ref(acc, 1, L)[0]
+        return self._encode_ref(rank_order_sum(self._decode_ref(buf, L)), 1, L)[0]
 
     # === whole tensors ===
     def compress(self, x):
@@ -511,10 +516,7 @@ def emulated_all_reduce(partials, codec=DEFAULT_CODEC, block_size=256):
     cd = get_codec(codec, block_size)
     W, n = len(partials), partials[0].numel()
     if cd is IDENTITY:
-        acc = partials[0].float().clone()
-        for p in partials[1:]:
-            acc += p.float()
-        return acc.view_as(partials[0]).to(partials[0].dtype)
+        return rank_order_sum(partials).view_as(partials[0]).to(partials[0].dtype)
     L = cd.padded(cdiv(n, W))
     sent = [cd.encode(p.reshape(-1), W, L) for p in partials]      # sent[r]: rank r's (W, S) messages
     mine = torch.stack([cd.reduce_encode(torch.stack([sent[r][k] for r in range(W)]), L) for k in range(W)])
@@ -573,7 +575,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
 def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
     """Sum over the group of x (n elements, n divisible by W); returns this rank's n/W slice.
     The summed shard is not re-compressed (it stays with its owner)."""
-    W, r = dist.get_world_size(group), dist.get_rank(group)
+    W = dist.get_world_size(group)
     n = x.numel()
     if n % W:
         raise ValueError(f"reduce_scatter needs numel ({n}) divisible by the group size ({W})")
@@ -590,11 +592,7 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
     send = cd.encode(shards.view(-1), W, L)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    parts = cd.decode(recv, L).view(W, L)
-    acc = parts[0]
-    for i in range(1, W):
-        acc = acc + parts[i]
-    out.copy_(acc[:n // W])
+    out.copy_(rank_order_sum(cd.decode(recv, L).view(W, L))[:n // W])
     if stats is not None:
         stats.add((W - 1) * send.shape[1], (W - 1) * out.numel() * x.element_size())
     return out

@@ -1,6 +1,5 @@
 """TP emulation: one process reproduces a real TP=t run's compressed all-reduces."""
 import pytest
-import torch
 import torch.distributed as dist
 
 import parallel
