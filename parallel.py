@@ -29,6 +29,7 @@ Pipeline parallelism splits the blocks over pp stages and runs microbatches thro
 GPipe or 1F1B schedule (point-to-point sends of the (B, T, C) activations and their gradients).
 Data parallelism averages gradients over the DP group in flat buckets after the backward pass.
 """
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -350,14 +351,43 @@ def pipeline_schedule(kind, microbatches, stage, stages):
     return acts + [("B", i) for i in range(M - warm, M)]
 
 
-def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False):
+def send_stage(t, dst, codec, stats=None):
+    """Start sending t to global rank dst, compressed by codec (a taco codec object): returns
+    (work, buffer); the buffer must stay alive until work.wait()."""
+    t = t.detach().contiguous()
+    buf = t if codec is taco.IDENTITY else codec.compress(t)
+    if stats is not None:
+        stats.add(buf.numel() * buf.element_size(), t.numel() * t.element_size())
+    return dist.isend(buf, dst), buf
+
+
+def recv_stage(shape, dtype, device, src, codec):
+    """Receive what send_stage sent (the receiver knows the shape, so it knows the message size)."""
+    if codec is taco.IDENTITY:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src)
+        return t
+    n = math.prod(shape)
+    buf = torch.empty(codec.nbytes(codec.padded(n)), dtype=torch.uint8, device=device)
+    dist.recv(buf, src)
+    return codec.decompress(buf, shape, dtype)
+
+
+def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False,
+                 codec="none", codec_bwd=None, block_size=256, stats=None):
     """Run one stage's part of a pipeline step. forward(i, hidden) -> (out, loss) runs microbatch i
     on this stage (loss on the last stage, already divided by the number of microbatches).
     Activations go to the next stage (global rank + tp) and gradients back (rank - tp) with
     asynchronous sends and blocking receives; messages between two stages arrive in the order sent,
-    which both schedules respect. Returns the summed loss on the last stage, else None."""
+    which both schedules respect. Returns the summed loss on the last stage, else None.
+
+    codec / codec_bwd compress the activations / the gradients between stages (TAH-Quant-style:
+    `tahquant` forward, a higher-precision codec such as `hint8` backward; default: none). The
+    TP ranks of a stage hold the same activation and encode it identically, so they stay in step."""
     first, last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
     prev, nxt = grid.rank - grid.tp, grid.rank + grid.tp
+    cd_f = taco.get_codec(codec, block_size)
+    cd_b = taco.get_codec(codec if codec_bwd is None else codec_bwd, block_size)
     inputs, outputs, sends, total = {}, {}, [], None
 
     def trace(msg):
@@ -368,15 +398,14 @@ def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False):
         if kind == "F":
             h = None
             if not first:
-                h = torch.empty(shape, dtype=dtype, device=device)
-                dist.recv(h, prev)
+                h = recv_stage(shape, dtype, device, prev, cd_f)
                 trace(f"F{i}: received activation from rank {prev}")
                 h.requires_grad_(torch.is_grad_enabled())
             out, loss = forward(i, h)
             if last:
                 total = loss.detach() if total is None else total + loss.detach()
             else:
-                sends.append((dist.isend(out.detach().contiguous(), nxt), out))   # keep the tensor alive
+                sends.append(send_stage(out, nxt, cd_f, stats))      # keeps the buffer alive
                 trace(f"F{i}: sent activation to rank {nxt}")
             if torch.is_grad_enabled():
                 inputs[i], outputs[i] = h, (loss if last else out)
@@ -385,13 +414,12 @@ def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False):
             if last:
                 y.backward()
             else:
-                g = torch.empty_like(y)
-                dist.recv(g, nxt)
+                g = recv_stage(y.shape, y.dtype, device, nxt, cd_b)
                 trace(f"B{i}: received gradient from rank {nxt}")
                 y.backward(g)
             h = inputs.pop(i)
             if not first:
-                sends.append((dist.isend(h.grad.contiguous(), prev), h.grad))
+                sends.append(send_stage(h.grad, prev, cd_b, stats))
                 trace(f"B{i}: sent gradient to rank {prev}")
     for work, _ in sends:
         work.wait()

@@ -368,6 +368,160 @@ class Codec:
         return self.decompress(self.compress(x), x.shape, x.dtype)
 
 
+class TahQuant:
+    """TAH-Quant-style tile quantization (arXiv 2506.01352, "Tile-wise Adaptive Hadamard
+    Quantization"): the paper's pipeline-parallel activation codec, and its TP baseline (Table 1).
+
+    What we implement, per message of L elements (T = L / 64 tiles of 64 consecutive elements;
+    for a (tokens, C) activation with 64 | C a tile is 64 channels of one token, as in the paper):
+      1. outlier tiles: if rms(x / max|x|) < 1 / kappa (kappa = 4: max|x| > 4 rms), swap the largest-magnitude element
+         into position 0 (the "pivot swap") and apply the orthonormal 64-point Walsh-Hadamard
+         transform. Row 0 of H is all ones, so the pivot becomes a CONSTANT offset of x_p / 8 on
+         every element, which the asymmetric quantizer's zero point (step 2) absorbs for free;
+         anywhere else its +-x_p / 8 pattern would widen the range. (This is our reading of why
+         the swap helps; the paper's exact transform may differ in detail.)
+      2. asymmetric uniform quantization per tile: lo = min, step = (max - min) / (2^b - 1),
+         q = round((z - lo) / step), decode z = q * step + lo.
+      3. bits: every tile is first quantized at INT4; the `int3_share` of tiles (per message, a
+         fixed count, so the message size does not depend on the data) whose INT4 codes have the
+         LOWEST histogram entropy are re-quantized at INT3. Low entropy = the tile's values use
+         few of the 16 levels, so they lose least from a coarser grid.
+    Simplified vs the paper: the bit allocation is per tile, not per token, and by a fixed share,
+    not a threshold; the entropy is that of the INT4 code histogram; fp32 (lo, step) metadata.
+    Wire format: [ (lo, step) fp32 per tile ][ flags: 1 byte per tile: bit 7 INT3, bit 6
+    Hadamard, bits 0-5 pivot index ][ payload: 32 bytes per INT4 tile, 24 per INT3 tile, in tile
+    order ][ pad to 16 bytes ]. Non-finite tiles decode to NaN (lo = step = NaN).
+    Same interface as Codec (B = the tile); PyTorch only, no fused kernel."""
+
+    def __init__(self, name="tahquant", tile=64, int3_share=0.5, kappa=4.0):
+        self.name, self.B, self.int3_share, self.kappa = name, tile, int3_share, kappa
+        self.c = 1.0 / math.sqrt(tile)                               # 1/8: exact in fp32
+        # c * log2(c) for a count c of equal codes in a tile, as integers so sums are exact everywhere
+        c = torch.arange(tile + 1, dtype=torch.float64)
+        self.clogc = torch.round(torch.where(c > 0, c * torch.log2(c.clamp(min=1)), c) * 2 ** 20).long()
+
+    def __repr__(self):
+        return f"TahQuant(tile={self.B}, int3_share={self.int3_share})"
+
+    def padded(self, n):
+        return cdiv(n, self.B) * self.B
+
+    def n_int3(self, T):
+        return int(self.int3_share * T)
+
+    def nbytes(self, L):
+        T = L // self.B
+        k3 = self.n_int3(T)
+        return cdiv(9 * T + (T - k3) * self.B // 2 + k3 * self.B * 3 // 8, 16) * 16
+
+    def _quant(self, z, levels):
+        """Asymmetric per-tile quantization of z (..., 64) to [0, levels]: (q, lo, step)."""
+        lo, hi = z.amin(dim=-1), z.amax(dim=-1)
+        step = (hi - lo) / levels
+        q = torch.round((z - lo[..., None]) / torch.where(step > 0, step, torch.ones_like(step))[..., None])
+        return q.clamp(0, levels), lo, step
+
+    def encode(self, x, M, L):
+        assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
+        T, G = L // self.B, self.B
+        g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
+        g[:x.numel()] = x
+        g = g.view(M, T, G)
+        bad = ~torch.isfinite(g).all(dim=-1)
+        g = torch.where(bad[..., None], torch.zeros_like(g), g)
+        # === 1. pivot swap + Hadamard on tiles with a dominant outlier ===
+        piv = g.abs().argmax(dim=-1)                                # first index of the max
+        peak = g.abs().amax(dim=-1)
+        r = g / torch.where(peak > 0, peak, torch.ones_like(peak))[..., None]     # scale-free: no overflow
+        had = (self.kappa ** 2 * (r * r).mean(dim=-1) < 1) & ~bad
+        idx = torch.arange(G, device=x.device).expand(M, T, G)
+        perm = torch.where(idx == 0, piv[..., None], torch.where(idx == piv[..., None], 0, idx))
+        z = torch.where(had[..., None], fwht(torch.gather(g, -1, perm) * self.c), g)   # 1/8 first: exact, and no overflow
+        # === 2-3. INT4 everywhere, then the lowest-entropy share of tiles at INT3 ===
+        q4, lo, step = self._quant(z, 15)
+        counts = torch.nn.functional.one_hot(q4.long(), 16).sum(dim=-2)       # (M, T, 16)
+        key = torch.where(bad, torch.iinfo(torch.int64).min, self.clogc.to(x.device)[counts].sum(-1))
+        k3 = self.n_int3(T)
+        int3 = torch.zeros(M, T, dtype=torch.bool, device=x.device)
+        if k3:                                                      # largest sum c log c = lowest entropy
+            order = torch.argsort(-key, dim=-1, stable=True)[:, :k3]
+            int3.scatter_(1, order, True)
+        q3, lo3, step3 = self._quant(z, 7)
+        q = torch.where(int3[..., None], q3, q4).to(torch.int32)
+        lo, step = torch.where(int3, lo3, lo), torch.where(int3, step3, step)
+        nan = torch.tensor(float("nan"), device=x.device)
+        meta = torch.stack((torch.where(bad, nan, lo), torch.where(bad, nan, step)), dim=-1)
+        flags = (int3.int() << 7) | (had.int() << 6) | torch.where(had, piv, 0).int()
+        # === pack: every tile's bytes at its offset in the message's payload ===
+        size = torch.where(int3, G * 3 // 8, G // 2)
+        off = torch.cumsum(size, dim=1) - size + torch.arange(M, device=x.device)[:, None] * (
+            (T - k3) * G // 2 + k3 * G * 3 // 8)
+        payload = torch.zeros(M * ((T - k3) * G // 2 + k3 * G * 3 // 8), dtype=torch.uint8, device=x.device)
+        for mask, nb, pack in ((~int3, G // 2, _pack_u4), (int3, G * 3 // 8, _pack_u3)):
+            if mask.any():
+                pos = off[mask][:, None] + torch.arange(nb, device=x.device)
+                payload[pos.reshape(-1)] = pack(q[mask]).reshape(-1)
+        out = torch.cat((meta.reshape(M, -1).contiguous().view(torch.uint8), flags.to(torch.uint8),
+                         payload.view(M, -1)), dim=1)
+        pad = self.nbytes(L) - out.shape[1]
+        return torch.cat((out, out.new_zeros(M, pad)), dim=1) if pad else out
+
+    def _decode_ref(self, buf, L):
+        M, T, G = buf.shape[0], L // self.B, self.B
+        k3 = self.n_int3(T)
+        P = (T - k3) * G // 2 + k3 * G * 3 // 8
+        meta = buf[:, :8 * T].contiguous().view(torch.float32).view(M, T, 2)
+        flags = buf[:, 8 * T:9 * T].int()
+        payload = buf[:, 9 * T:9 * T + P].reshape(-1)
+        int3, had, piv = (flags >> 7) & 1 == 1, (flags >> 6) & 1 == 1, (flags & 63).long()
+        size = torch.where(int3, G * 3 // 8, G // 2)
+        off = torch.cumsum(size, dim=1) - size + torch.arange(M, device=buf.device)[:, None] * P
+        q = torch.zeros(M, T, G, dtype=torch.float32, device=buf.device)
+        for mask, nb, unpack in ((~int3, G // 2, _unpack_u4), (int3, G * 3 // 8, _unpack_u3)):
+            if mask.any():
+                pos = off[mask][:, None] + torch.arange(nb, device=buf.device)
+                q[mask] = unpack(payload[pos]).float()
+        z = q * meta[..., 1:] + meta[..., :1]
+        idx = torch.arange(G, device=buf.device).expand(M, T, G)
+        perm = torch.where(idx == 0, piv[..., None], torch.where(idx == piv[..., None], 0, idx))
+        y = torch.where(had[..., None], torch.gather(fwht(z * self.c), -1, perm), z)
+        return y.reshape(M, L)
+
+    def decode(self, buf, L, n=None, dtype=torch.float32, out=None):
+        n = buf.shape[0] * L if n is None else n
+        y = self._decode_ref(buf, L).reshape(-1)[:n].to(dtype)
+        return y if out is None else out.copy_(y)
+
+    def reduce_encode(self, buf, L):
+        return self.encode(rank_order_sum(self._decode_ref(buf, L)).reshape(-1), 1, L)[0]
+
+    compress, decompress, roundtrip = Codec.compress, Codec.decompress, Codec.roundtrip
+
+
+def _pack_u4(q):
+    """(..., 2k) codes in [0, 15] -> (..., k) bytes, the first code in the low nibble."""
+    u = q.reshape(*q.shape[:-1], -1, 2)
+    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8)
+
+
+def _unpack_u4(b):
+    t = b.to(torch.int32)
+    return torch.stack((t & 15, t >> 4), dim=-1).reshape(*b.shape[:-1], -1)
+
+
+def _pack_u3(q):
+    """(..., 8k) codes in [0, 7] -> (..., 3k) bytes: w = u0 | u1<<3 | ... | u7<<21, little-endian."""
+    u = q.reshape(*q.shape[:-1], -1, 8)
+    w = sum(u[..., i] << (3 * i) for i in range(8))
+    return torch.stack((w & 255, (w >> 8) & 255, w >> 16), dim=-1).to(torch.uint8).reshape(*q.shape[:-1], -1)
+
+
+def _unpack_u3(b):
+    t = b.to(torch.int32).reshape(*b.shape[:-1], -1, 3)
+    w = t[..., 0] | (t[..., 1] << 8) | (t[..., 2] << 16)
+    return torch.stack([(w >> (3 * i)) & 7 for i in range(8)], dim=-1).reshape(*b.shape[:-1], -1)
+
+
 class Identity:
     """The codec `none`: the tensor's own bytes on the wire (bf16 stays bf16, fp32 stays fp32).
     The collectives take the plain torch.distributed path for it."""
@@ -391,10 +545,17 @@ def get_codec(name, block_size=256, tau=1.0, eps=1e-30):
     """A (cached) Codec; `none` (or None) is the Identity."""
     if name in (None, "none"):
         return IDENTITY
+    if name == "tahquant":                                         # its tile (64) is part of its definition
+        block_size = tau = eps = None
     key = (name, block_size, tau, eps)
     if key not in _CODEC_CACHE:
-        _CODEC_CACHE[key] = Codec(name, block_size, tau, eps)
+        _CODEC_CACHE[key] = TahQuant() if name == "tahquant" else Codec(name, block_size, tau, eps)
     return _CODEC_CACHE[key]
+
+
+def codec_names():
+    """Every codec name a config may use."""
+    return ["none", *CODECS, "tahquant"]
 
 
 # -----------------------------------------------------------------------------

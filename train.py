@@ -69,6 +69,8 @@ tp_codec = "none"
 tp_codec_bwd = ""               # "" = same as tp_codec
 codec_block = 256
 dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
+pp_codec = "none"               # activations between pipeline stages (TAH-Quant-style: tahquant)
+pp_codec_bwd = ""               # gradients between stages ("" = same as pp_codec; TAH-Quant: higher precision, hint8)
 taco_chunks = 1                 # measured on 2xH200: more chunks only add host overhead (README)
 taco_min_bytes = 8388608        # smaller all-reduces stay uncompressed: compression won only >= 16 MB (README)
 # system
@@ -131,9 +133,9 @@ def check_config(cfg, world):
         if cfg["tp"] != 1 or cfg["taco_chunks"] != 1:
             raise parallel.ConfigError(f"tp_emulate={t} emulates TP on one rank: set tp=1 and taco_chunks=1")
         parallel.check_layout(t, 1, 1, t, mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
-    for k in ("tp_codec", "tp_codec_bwd", "dp_codec"):
-        if cfg[k] not in ("", "none") and cfg[k] not in taco.CODECS:
-            raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from none, {', '.join(taco.CODECS)}")
+    for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd"):
+        if cfg[k] not in ("", *taco.codec_names()):
+            raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise parallel.ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
     for split in ("train", "val"):
@@ -242,7 +244,9 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    if use_cuda and max(grid.tp, tp_emulate) > 1 and any(c not in ("", "none") for c in (tp_codec, tp_codec_bwd)):
+    used = ([tp_codec, tp_codec_bwd] * (max(grid.tp, tp_emulate) > 1) + [dp_codec] * (grid.dp > 1)
+            + [pp_codec, pp_codec_bwd] * (grid.pp > 1))
+    if use_cuda and any(c not in ("", "none", "tahquant") for c in used):
         taco.load_kernels()                                  # every rank; local rank 0 builds first
 
     # === model, optimizer ===
@@ -277,7 +281,7 @@ def main():
               f"{model.num_params(False) / 1e6:.2f} M in all")
 
     batches = Batches(dataset, block_size, batch_size, seed, grid.dp_rank, dev, grid.dp)
-    dp_stats = taco.CommStats()
+    dp_stats, pp_stats = taco.CommStats(), taco.CommStats()
     autocast = torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32)
     tokens_per_iter = batch_size * block_size * gradient_accumulation_steps * grid.dp
     flops_per_iter = (6 * model.num_params() + 12 * n_layer * n_embd * block_size) * tokens_per_iter
@@ -302,7 +306,8 @@ def main():
                    else [("F", i) for i in range(n)])
         seq = block_size // grid.tp if sequence_parallel else block_size       # the activation between stages
         total = parallel.run_pipeline(actions, forward, grid, (batch_size, seq, n_embd), torch.float32,
-                                      dev, verbose=pp_verbose)
+                                      dev, verbose=pp_verbose, codec=pp_codec, codec_bwd=pp_codec_bwd or pp_codec,
+                                      block_size=codec_block, stats=pp_stats if train else None)
         total = total if model.last else torch.zeros((), device=dev)
         dist.broadcast(total, src=grid.rank + (grid.pp - 1 - grid.pp_rank) * grid.tp, group=grid.pp_group)
         return total
@@ -344,6 +349,7 @@ def main():
         torch.manual_seed(seed + 100003 * it + grid.dp_rank)   # dropout RNG: stateless, same on TP peers
         comm.stats.reset()
         dp_stats.reset()
+        pp_stats.reset()
         lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
         parallel.sync_sp_grads(params, comm)
         parallel.sync_tied_grads(model, grid)
@@ -372,13 +378,16 @@ def main():
             if grid.tp > 1:
                 s = comm.stats
                 line += (f" | tp {s.calls:3d} ar {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}")
+            if grid.pp > 1:       # this rank's sends to its neighbour stages
+                line += f" | pp {pp_stats.wire_bytes / 2 ** 20:8.2f} MiB wire x{pp_stats.ratio:4.2f}"
             if grid.dp > 1:
                 line += f" | dp {dp_stats.wire_bytes / 2 ** 20:8.2f} MiB wire x{dp_stats.ratio:4.2f}"
             if master:
                 log(line)
             record(iter=it + 1, loss=loss_sum / nsum, lr=lr, ms=dt * 1000, tok_s=tokens_per_iter / dt,
                    tp_wire_bytes=comm.stats.wire_bytes, tp_ratio=comm.stats.ratio,
-                   dp_wire_bytes=dp_stats.wire_bytes, dp_ratio=dp_stats.ratio)
+                   dp_wire_bytes=dp_stats.wire_bytes, dp_ratio=dp_stats.ratio,
+                   pp_wire_bytes=pp_stats.wire_bytes, pp_ratio=pp_stats.ratio)
             t0, loss_sum, nsum = time.time(), 0.0, 0
         last = it + 1 == max_iters
         if eval_interval and ((it + 1) % eval_interval == 0 or last):

@@ -18,7 +18,7 @@ def _all_reduce(rank, world, n, codec, chunks, dtype):
     return out, ref, stats
 
 
-CASES = [(codec, n, chunks) for codec in ("hint8", "taco", "hint6")
+CASES = [(codec, n, chunks) for codec in ("hint8", "taco", "hint6", "tahquant")
          for n, chunks in ((1, 1), (1000, 1), (256 * 7 + 3, 3), (12289, 2))]
 
 
@@ -35,8 +35,9 @@ def test_all_reduce_close_and_bitwise_identical(world):
             out, ref, stats = per_rank[rank][i]
             assert torch.equal(out.view(torch.int32), out0.view(torch.int32)), (codec, n)  # bit for bit
             # two quantisations (shards, then the reduced shard): about twice the codec's roundtrip
-            # error on the sum; hint8 ~0.5%, taco (E4M3) ~3% per roundtrip on this data
-            assert rel_err(out, ref) < {"hint8": 0.02, "hint6": 0.06, "taco": 0.08}[codec], (codec, n)
+            # error on the sum; hint8 ~0.5%, taco (E4M3) ~3%, tahquant (3.5 bits) ~15% per roundtrip
+            tol = {"hint8": 0.02, "hint6": 0.06, "taco": 0.08, "tahquant": 0.35}[codec]
+            assert rel_err(out, ref) < tol, (codec, n)
             assert stats.calls == 1 and stats.wire_bytes > 0
 
 
