@@ -6,6 +6,7 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
     python bench.py plot                      # results/loss_curves.png from the recorded runs
     python bench.py histograms                # CPU: the paper's Figs. 4/8 on our TP tensors
     python bench.py study fig11 3             # GPU: the paper's Fig. 11 ablation, 3 seeds, TP=4 emulated
+    python bench.py study table1,fig11:1 3 8  # GPU: table1 with 3 seeds, fig11 with 1, 8 runs at a time
     python bench.py kernels                   # GPU: fused kernels vs copy bandwidth vs PyTorch reference
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
 """
@@ -283,7 +284,7 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
 # accuracy study: the paper's convergence comparisons at small scale, TP emulated on one GPU
 
 STUDY = {   # group: (emulated TP degree, [(codec, block size)]); "none" is the uncompressed baseline
-    "table1": (8, [("none", 256), ("taco", 256), ("hint8", 256)]),
+    "table1": (8, [("none", 256), ("taco", 256), ("tahquant", 256), ("hint8", 256)]),
     "fig11": (4, [("none", 256), ("fp8", 256), ("ds", 256), ("ash", 256), ("taco", 256)]),
     "fig13": (4, [("none", 256), ("hadamard", 256), ("taco", 256)]),
     "fig14": (4, [("none", 256), ("taco", 256), ("taco-e5m2", 256), ("taco-int8", 256)]),
@@ -293,37 +294,76 @@ STUDY = {   # group: (emulated TP degree, [(codec, block size)]); "none" is the 
 STUDY_FILE = os.environ.get("NANOTACO_STUDY_FILE", os.path.join(RESULTS, "study.json"))
 
 
-def bench_study(group, seeds, extra):
-    """Train one run per (codec, block, seed) of the group with train.py and configs/study.py,
-    appending each finished run's loss curve and final losses to results/study.json. Runs already
-    in the file (same key, same extra arguments) are skipped, so a study can span sessions."""
+def study_runs(groups):
+    """The distinct (codec, block, TP, seed) runs of groups {name: seeds}, seed 0 of every run first."""
+    runs = []
+    for seed in range(max(groups.values())):
+        for group, seeds in groups.items():
+            t, cases = STUDY[group]
+            runs += [(codec, block, t, seed) for codec, block in cases
+                     if seed < seeds and (codec, block, t, seed) not in runs]
+    return runs
+
+
+def bench_study(groups, extra, jobs=1):
+    """Train one run per (codec, block, seed) of the groups with train.py and configs/study.py,
+    `jobs` at a time (round-robin over the visible GPUs: the study's model is small, so several
+    runs share a GPU well), appending each finished run's loss curve and final losses to
+    results/study.json. Runs already in the file (same key, same extra arguments) are skipped, so
+    a study can span sessions and an interrupted one resumes where it stopped."""
     import subprocess
-    t, runs = STUDY[group]
     root = next((a.split("=", 1)[1] for a in extra if a.startswith("--out_dir=")), os.path.join("out", "study"))
     extra = [a for a in extra if not a.startswith("--out_dir=")]
     done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
-    for seed in range(seeds):
-        for codec, block in runs:
-            key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
-            if key in done:
-                continue
-            out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
-            cmd = [sys.executable, "train.py", "configs/study.py", f"--tp_codec={codec}", f"--codec_block={block}",
-                   f"--tp_emulate={t}", f"--seed={seed}", *extra, f"--out_dir={out}"]
-            print(" ".join(cmd), flush=True)
-            t0 = time.time()
-            subprocess.run(cmd, check=True)
-            rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
-            evals = [r for r in rows if "val_loss" in r]
-            done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra,
-                         "seconds": round(time.time() - t0, 1), "env": environment(),
-                         "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
-                         "val": [(r["iter"], r["val_loss"]) for r in evals],
-                         "final_val": evals[-1]["val_loss"], "final_train": evals[-1]["train_loss"]}
-            with open(STUDY_FILE + ".tmp", "w") as f:       # cumulative; written after every run
-                json.dump(done, f, indent=1)
-            os.replace(STUDY_FILE + ".tmp", STUDY_FILE)
-    study_report(group, extra)
+    gpus = list(range(torch.cuda.device_count()))
+    todo = []
+    for codec, block, t, seed in study_runs(groups):
+        key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
+        if key not in done:
+            todo.append((key, codec, block, t, seed))
+    print(f"study {','.join(groups)}: {len(todo)} runs to do, {jobs} at a time on "
+          f"{len(gpus) or 'no'} GPU(s)", flush=True)
+    running = []
+
+    def finish(key, codec, block, t, seed, out, proc, t0, log):
+        log.close()
+        if proc.returncode != 0:
+            print(f"FAILED ({proc.returncode}): {key}; see {out}/stdout.txt", flush=True)
+            return
+        rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+        evals = [r for r in rows if "val_loss" in r]
+        done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra,
+                     "seconds": round(time.time() - t0, 1), "env": environment(),
+                     "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
+                     "val": [(r["iter"], r["val_loss"]) for r in evals],
+                     "final_val": evals[-1]["val_loss"], "final_train": evals[-1]["train_loss"]}
+        with open(STUDY_FILE + ".tmp", "w") as f:           # cumulative; written after every run
+            json.dump(done, f, indent=1)
+        os.replace(STUDY_FILE + ".tmp", STUDY_FILE)
+        print(f"done in {time.time() - t0:5.0f} s: {key} val {done[key]['final_val']:.4f}", flush=True)
+
+    for i, (key, codec, block, t, seed) in enumerate(todo):
+        while len(running) >= jobs:                         # wait for a free slot
+            time.sleep(1)
+            for r in [r for r in running if r[6].poll() is not None]:
+                running.remove(r)
+                finish(*r)
+        out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+        os.makedirs(out, exist_ok=True)
+        cmd = [sys.executable, "train.py", "configs/study.py", f"--tp_codec={codec}", f"--codec_block={block}",
+               f"--tp_emulate={t}", f"--seed={seed}", *extra, f"--out_dir={out}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpus[i % len(gpus)])
+        print(" ".join(cmd), flush=True)
+        log = open(os.path.join(out, "stdout.txt"), "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        running.append((key, codec, block, t, seed, out, proc, time.time(), log))
+    for r in running:
+        r[6].wait()
+        finish(*r)
+    for group in groups:
+        study_report(group, extra)
 
 
 def study_report(group, extra=()):
@@ -399,12 +439,14 @@ if __name__ == "__main__":
     elif what == "histograms":
         bench_histograms()
     elif what == "study":
-        # python bench.py study GROUP [SEEDS] [--train.py overrides ...]
-        group = sys.argv[2]
-        if group not in STUDY:
-            raise SystemExit(f"unknown study group {group!r}: {', '.join(STUDY)}")
-        seeds = int(sys.argv[3]) if len(sys.argv) > 3 and not sys.argv[3].startswith("--") else 3
-        bench_study(group, seeds, [a for a in sys.argv[3:] if a.startswith("--")])
+        # python bench.py study GROUP[:SEEDS][,GROUP[:SEEDS]...] [SEEDS [JOBS]] [--train.py overrides ...]
+        nums = [int(a) for a in sys.argv[3:] if not a.startswith("--")]
+        seeds, jobs = (nums[0] if nums else 3), (nums[1] if len(nums) > 1 else 1)
+        groups = {g.split(":")[0]: int(g.split(":")[1]) if ":" in g else seeds for g in sys.argv[2].split(",")}
+        for group in groups:
+            if group not in STUDY:
+                raise SystemExit(f"unknown study group {group!r}: {', '.join(STUDY)}")
+        bench_study(groups, [a for a in sys.argv[3:] if a.startswith("--")], jobs)
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:

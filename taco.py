@@ -439,7 +439,8 @@ class TahQuant:
         z = torch.where(had[..., None], fwht(torch.gather(g, -1, perm) * self.c), g)   # 1/8 first: exact, and no overflow
         # === 2-3. INT4 everywhere, then the lowest-entropy share of tiles at INT3 ===
         q4, lo, step = self._quant(z, 15)
-        counts = torch.nn.functional.one_hot(q4.long(), 16).sum(dim=-2)       # (M, T, 16)
+        counts = torch.zeros(M, T, 16, dtype=torch.int64, device=x.device).scatter_add_(
+            -1, q4.long(), torch.ones_like(q4, dtype=torch.int64))            # (M, T, 16) code histogram
         key = torch.where(bad, torch.iinfo(torch.int64).min, self.clogc.to(x.device)[counts].sum(-1))
         k3 = self.n_int3(T)
         int3 = torch.zeros(M, T, dtype=torch.bool, device=x.device)

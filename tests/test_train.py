@@ -85,14 +85,14 @@ def test_nan_loss_stops_the_run(tmp_path):
 
 
 def test_study_runner_is_cumulative(tmp_path):
-    """bench.py study: one train.py run per codec (TP emulated), appended to the study file; a
-    second invocation finds them all done and only reports."""
+    """bench.py study: one train.py run per codec (TP emulated), two at a time, appended to the
+    study file; a second invocation finds them all done and only reports."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NANOTACO_STUDY_FILE=str(tmp_path / "study.json"))
     tiny = ["--dataset=small", "--max_iters=2", "--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=32",
             "--batch_size=2", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2",
             "--log_interval=1",
             f"--out_dir={tmp_path}/runs"]
-    cmd = [sys.executable, "bench.py", "study", "fig13", "1", *tiny]
+    cmd = [sys.executable, "bench.py", "study", "fig13", "1", "2", *tiny]
     first = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     runs = json.load(open(tmp_path / "study.json"))
