@@ -328,7 +328,8 @@ def bench_study(groups, extra, jobs=1):
     def finish(key, codec, block, t, seed, out, proc, t0, log):
         log.close()
         if proc.returncode != 0:
-            print(f"FAILED ({proc.returncode}): {key}; see {out}/stdout.txt", flush=True)
+            tail = open(os.path.join(out, "stdout.txt")).read()[-2000:]
+            print(f"FAILED ({proc.returncode}): {key}; {out}/stdout.txt ends:\n{tail}", flush=True)
             return
         rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
         evals = [r for r in rows if "val_loss" in r]
