@@ -680,8 +680,13 @@ def emulated_all_reduce(partials, codec=DEFAULT_CODEC, block_size=256):
     if cd is IDENTITY:
         return rank_order_sum(partials).view_as(partials[0]).to(partials[0].dtype)
     L = cd.padded(cdiv(n, W))
-    sent = [cd.encode(p.reshape(-1), W, L) for p in partials]      # sent[r]: rank r's (W, S) messages
-    mine = torch.stack([cd.reduce_encode(torch.stack([sent[r][k] for r in range(W)]), L) for k in range(W)])
+    # all W ranks' W messages in one encode (message r*W + k: rank r's shard k; messages are
+    # independent, so this is bit for bit what each rank encodes), then one decode
+    x = partials[0].new_zeros(W, W * L)
+    x[:, :n] = torch.stack([p.reshape(-1) for p in partials])
+    got = cd.decode(cd.encode(x.view(-1), W * W, L), L).view(W, W, L)  # [sender, shard, :]
+    # what rank k's reduce_encode does with the W messages for shard k: fp32 sum in rank order, re-encode
+    mine = cd.encode(rank_order_sum(list(got)).view(-1), W, L)
     return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
 

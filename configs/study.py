@@ -1,6 +1,7 @@
 # Accuracy study (bench.py study): a small GPT-2 trained for about one epoch of the large dataset
 # on ONE GPU, with TP emulated (tp_emulate, set per run by the study) so TP=4/8 compression is
-# reproduced exactly without 8 GPUs. 600 x 32 x 256 = 4.9M tokens of the 6.7M-token train split.
+# reproduced exactly without 8 GPUs. 300 x 32 x 256 = 2.5M tokens of the 6.7M-token train split
+# (sized so that the whole study, 27 runs, fits one 10-minute device call: see .ci/gpu_study).
 out_dir = "out/study"
 dataset = "large"
 n_layer = 6
@@ -10,11 +11,11 @@ block_size = 256
 batch_size = 32
 learning_rate = 1e-3
 min_lr = 1e-4
-max_iters = 600
-warmup_iters = 60
-lr_decay_iters = 600
-eval_interval = 100
-eval_iters = 40
+max_iters = 300
+warmup_iters = 30
+lr_decay_iters = 300
+eval_interval = 150
+eval_iters = 20
 log_interval = 10
 ckpt_interval = -1
 sample_tokens = 0

@@ -85,12 +85,16 @@ def test_reduce_scatter_and_all_gather(codec):
         assert torch.equal(ag, results[0][2])
 
 
+EMULATED = ["taco", "hint6", "hadamard", "tahquant"]       # block, packed, per-message scale, tiles
+
+
 def _emulation(rank, world):
-    x = realistic(3001, seed=rank)
     partials = [realistic(3001, seed=r) for r in range(world)]
-    return taco.all_reduce(x, codec="taco"), taco.emulated_all_reduce(partials, codec="taco")
+    return [(taco.all_reduce(partials[rank].clone(), codec=c), taco.emulated_all_reduce(partials, codec=c))
+            for c in EMULATED]
 
 
 def test_single_process_emulation_is_bitwise_the_real_collective():
-    for real, emulated in run_ranks(_emulation, 3):
-        assert torch.equal(real, emulated)
+    for per_codec in run_ranks(_emulation, 3):
+        for codec, (real, emulated) in zip(EMULATED, per_codec):
+            assert torch.equal(real, emulated), codec
