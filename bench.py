@@ -3,7 +3,8 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
 (with date, machine, versions and the exact command) to results/<name>.json.
 
     python bench.py codecs                    # CPU: every codec's error on real TP all-reduce tensors
-    python bench.py plot                      # results/loss_curves.png from the recorded runs
+    python bench.py plot                      # results/loss_curves.png, results/study.png from recorded runs
+    python bench.py study-report              # the study's tables from results/study.json
     python bench.py histograms                # CPU: the paper's Figs. 4/8 on our TP tensors
     python bench.py study fig11 3             # GPU: the paper's Fig. 11 ablation, 3 seeds, TP=4 emulated
     python bench.py study table1,fig11:1 3 8  # GPU: table1 with 3 seeds, fig11 with 1, 8 runs at a time
@@ -343,12 +344,16 @@ def bench_study(groups, extra, jobs=1):
         os.replace(STUDY_FILE + ".tmp", STUDY_FILE)
         print(f"done in {time.time() - t0:5.0f} s: {key} val {done[key]['final_val']:.4f}", flush=True)
 
-    for i, (key, codec, block, t, seed) in enumerate(todo):
-        while len(running) >= jobs:                         # wait for a free slot
+    def reap(limit):
+        """Record finished runs as they finish (in any order) until fewer than `limit` run."""
+        while len(running) >= limit:
             time.sleep(1)
             for r in [r for r in running if r[6].poll() is not None]:
                 running.remove(r)
                 finish(*r)
+
+    for i, (key, codec, block, t, seed) in enumerate(todo):
+        reap(jobs)                                          # wait for a free slot
         out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
         os.makedirs(out, exist_ok=True)
         cmd = [sys.executable, "train.py", "configs/study.py", f"--tp_codec={codec}", f"--codec_block={block}",
@@ -360,34 +365,81 @@ def bench_study(groups, extra, jobs=1):
         log = open(os.path.join(out, "stdout.txt"), "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         running.append((key, codec, block, t, seed, out, proc, time.time(), log))
-    for r in running:
-        r[6].wait()
-        finish(*r)
+    reap(1)                                                 # the rest, in the order they finish
     for group in groups:
         study_report(group, extra)
 
 
 def study_report(group, extra=()):
-    """Final validation loss per codec: mean and spread over seeds, change vs the baseline."""
+    """Final validation loss per codec: mean and spread over seeds, and the change vs the
+    uncompressed baseline, both from the means and PAIRED (same seed: same initialisation and
+    batches, so the seed-to-seed noise cancels; mean and range of the per-seed differences)."""
     t, runs = STUDY[group]
     done = json.load(open(STUDY_FILE))
     by = {}
     for r in done.values():
         if r["tp"] == t and r["extra"] == list(extra):
-            by.setdefault((r["codec"], r["block"]), []).append(r["final_val"])
-    base = by.get(("none", 256))
+            by.setdefault((r["codec"], r["block"]), {})[r["seed"]] = r["final_val"]
+    base = by.get(("none", 256), {})
     rows = []
     for codec, block in runs:
         v = by.get((codec, block))
         if not v:
             continue
-        mean = sum(v) / len(v)
-        spread = (max(v) - min(v)) if len(v) > 1 else float("nan")
-        delta = 100 * (mean / (sum(base) / len(base)) - 1) if base else float("nan")
-        rows.append({"codec": codec, "B": block, "seeds": len(v), "val loss": f"{mean:.4f}",
-                     "seed spread": f"{spread:.4f}", "vs none": f"{delta:+.2f}%"})
-    print(f"\nstudy {group} (TP={t} emulated), results/study.json:")
-    table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none"])
+        vals = list(v.values())
+        mean = sum(vals) / len(vals)
+        row = {"codec": codec, "B": block, "seeds": len(vals), "val loss": f"{mean:.4f}",
+               "seed spread": f"{max(vals) - min(vals):.4f}" if len(vals) > 1 else "-",
+               "vs none (means)": f"{100 * (mean / (sum(base.values()) / len(base)) - 1):+.2f}%" if base else "-"}
+        paired = [100 * (v[s] / base[s] - 1) for s in v if s in base]
+        row["paired"] = "-"
+        if paired and codec != "none":
+            row["paired"] = (f"{sum(paired) / len(paired):+.2f}% [{min(paired):+.2f}, {max(paired):+.2f}]"
+                             if len(paired) > 1 else f"{paired[0]:+.2f}%")
+        rows.append(row)
+    print(f"\nstudy {group} (TP={t} emulated), {STUDY_FILE}:")
+    table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none (means)", "paired"])
+    return rows
+
+
+def plot_study(path=os.path.join(RESULTS, "study.png")):
+    """Left: every run's final validation loss minus the baseline's of the same seed and TP, per
+    codec (one dot per seed). Right: train-loss curves of the TP=8 runs, seed 0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    done = json.load(open(STUDY_FILE))
+    base = {(r["tp"], r["seed"]): r["final_val"] for r in done.values() if r["codec"] == "none"}
+    labels = []
+    for group, (t, runs) in STUDY.items():
+        labels += [(t, c, b) for c, b in runs if c != "none" and (t, c, b) not in labels]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
+    ax = axes[0]
+    for i, (t, c, b) in enumerate(labels):
+        pts = [100 * (r["final_val"] / base[(t, r["seed"])] - 1) for r in done.values()
+               if (r["tp"], r["codec"], r["block"]) == (t, c, b) and (t, r["seed"]) in base]
+        ax.scatter([i] * len(pts), pts, color="C0" if t == 8 else "C1", s=18)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(labels)), [f"{c}{'' if b == 256 else f' B{b}'} TP{t}" for t, c, b in labels],
+                  rotation=60, ha="right", fontsize=8)
+    ax.set(ylabel="final val loss vs none, same seed (%)", title="Study: codec effect on final validation loss")
+    ax.set_yscale("symlog", linthresh=1, linscale=3)
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    ref = {(r["seed"]): dict(r["curve"]) for r in done.values() if r["tp"] == 8 and r["codec"] == "none"}
+    for r in sorted(done.values(), key=lambda r: r["codec"]):
+        if r["tp"] == 8 and r["codec"] != "none" and r["curve"] and r["seed"] in ref:
+            pts = [(i, loss - ref[r["seed"]][i]) for i, loss in r["curve"] if i in ref[r["seed"]]]
+            ax.plot(*zip(*pts), label=f"{r['codec']} seed {r['seed']}", lw=1,
+                    color={"taco": "C3", "hint8": "C1", "hint6": "C2"}.get(r["codec"], "C4"),
+                    ls=["-", "--", ":"][r["seed"] % 3])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set(xlabel="step", ylabel="train loss minus none (same seed)", title="TP=8 emulated: the gap during training")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 # -----------------------------------------------------------------------------
@@ -437,8 +489,12 @@ if __name__ == "__main__":
         bench_kernels()
     elif what == "plot":
         plot_curves()
+        plot_study()
     elif what == "histograms":
         bench_histograms()
+    elif what == "study-report":
+        for group in STUDY:
+            study_report(group)
     elif what == "study":
         # python bench.py study GROUP[:SEEDS][,GROUP[:SEEDS]...] [SEEDS [JOBS]] [--train.py overrides ...]
         nums = [int(a) for a in sys.argv[3:] if not a.startswith("--")]
@@ -451,4 +507,4 @@ if __name__ == "__main__":
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot | histograms | study")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot | histograms | study | study-report")
