@@ -457,3 +457,93 @@ def sync_dp_grads(params, group, world, bucket_numel=2 ** 24, codec="none", stat
         flat /= world
         for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
             g.copy_(piece.view_as(g))
+
+
+class ZeroAdamW:
+    """ZeRO stage 1 (Rajbhandari et al. 2020): AdamW whose state — fp32 master weights and both
+    moments — is sharded over the DP group, so each DP rank holds 1/dp of it.
+
+    The model's parameters (this TP/PP rank's shard of them) are viewed as ONE flat fp32 vector,
+    zero-padded to dp equal slices of S elements (S a multiple of the codec block); DP rank d owns
+    slice d. A step:
+        1. reduce-scatter the flat gradient over DP (taco.reduce_scatter: compressed by grad_codec),
+           divide by dp: each rank holds the averaged gradient of its slice only;
+        2. the caller clips with the global norm (sq_norms() gives this rank's squares);
+        3. AdamW on the slice, exactly torch.optim.AdamW's arithmetic (decoupled weight decay,
+           bias-corrected moments), into the exact fp32 master slice;
+        4. all-gather the new parameters. With param_codec (SDP4Bit, arXiv 2410.15526: 4-bit
+           weight DIFFERENCES), every rank sends codec(master - current parameter) and every rank,
+           the owner included, adds the decoded differences to its parameters: all replicas stay
+           identical, and the quantisation error of one step is part of the next step's difference
+           (it is fed back, not accumulated), because the master stays exact.
+    Of SDP4Bit we implement the weight-difference all-gather with one codec (e.g. hint4: Hadamard +
+    per-block INT4) and its gradient quantisation through grad_codec; not its two-level
+    intra-/inter-node scheme."""
+
+    def __init__(self, params, grid, lr, betas, eps, weight_decay, grad_codec="none", param_codec="none",
+                 block_size=256, stats=None):
+        self.params, self.group, self.W, self.rank = params, grid.dp_group, grid.dp, grid.dp_rank
+        self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
+        self.grad_codec, self.param_codec, self.block_size, self.stats = grad_codec, param_codec, block_size, stats
+        self.N = sum(p.numel() for p in params)
+        self.S = taco.cdiv(taco.cdiv(self.N, self.W), block_size) * block_size
+        own = slice(self.rank * self.S, (self.rank + 1) * self.S)
+        self.own = own
+        self.master = self.flat([p.detach() for p in params])[own].clone()
+        self.m, self.v, self.t = torch.zeros_like(self.master), torch.zeros_like(self.master), 0
+        # per-element weight decay and norm bookkeeping for this slice (see train.clip_grad_norm)
+        tied = lambda p: getattr(p, "pp_tied_copy", False)
+        split = lambda p: getattr(p, "tp_split", False)
+        self.decay = self.flat([torch.full_like(p, weight_decay if p.dim() >= 2 else 0.0) for p in params])[own]
+        self.split = self.flat([torch.full_like(p, float(split(p) and not tied(p))) for p in params])[own]
+        self.repl = self.flat([torch.full_like(p, float(not split(p) and not tied(p))) for p in params])[own]
+        self.grad = None
+
+    def flat(self, tensors):
+        out = torch.zeros(self.S * self.W, dtype=torch.float32, device=self.params[0].device)
+        out[:self.N] = torch.cat([t.reshape(-1).float() for t in tensors])
+        return out
+
+    def reduce_grads(self):
+        """Step 1; frees the parameters' .grad. Returns this rank's (squares of TP-split
+        gradients, squares of replicated ones), summed over the DP group."""
+        flat = self.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        for p in self.params:
+            p.grad = None
+        self.grad = taco.reduce_scatter(flat, group=self.group, codec=self.grad_codec,
+                                        block_size=self.block_size, stats=self.stats) / self.W
+        sq = torch.stack(((self.grad.square() * self.split).sum(), (self.grad.square() * self.repl).sum()))
+        dist.all_reduce(sq, group=self.group)
+        return sq[0], sq[1]
+
+    @torch.no_grad()
+    def step(self, lr, coef=1.0):
+        """Steps 3-4 with the clipping coefficient coef."""
+        g = self.grad * coef
+        self.t += 1
+        self.master.mul_(1 - lr * self.decay)
+        self.m.lerp_(g, 1 - self.b1)
+        self.v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
+        denom = (self.v.sqrt() / math.sqrt(1 - self.b2 ** self.t)).add_(self.eps)
+        self.master.addcdiv_(self.m, denom, value=-lr / (1 - self.b1 ** self.t))
+        if self.param_codec in ("", "none"):
+            full = taco.all_gather(self.master, group=self.group, codec="none", stats=self.stats)
+        else:
+            diff = self.master - self.flat([p.detach() for p in self.params])[self.own]
+            full = taco.all_gather(diff, group=self.group, codec=self.param_codec,
+                                   block_size=self.block_size, stats=self.stats)
+        o = 0
+        for p in self.params:                               # new values, or values + decoded differences
+            piece = full[o:o + p.numel()].view_as(p).to(p.dtype)
+            p.copy_(piece) if self.param_codec in ("", "none") else p.add_(piece)
+            o += p.numel()
+        self.grad = None
+
+    def state_dict(self):
+        return {"master": self.master, "m": self.m, "v": self.v, "t": self.t, "dp": [self.W, self.rank]}
+
+    def load_state_dict(self, sd):
+        if sd["dp"] != [self.W, self.rank]:
+            raise ValueError(f"ZeRO checkpoint of dp rank {sd['dp'][1]} of {sd['dp'][0]} loaded by {self.rank} of {self.W}")
+        self.master.copy_(sd["master"]), self.m.copy_(sd["m"]), self.v.copy_(sd["v"])
+        self.t = sd["t"]

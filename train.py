@@ -69,6 +69,8 @@ tp_codec = "none"
 tp_codec_bwd = ""               # "" = same as tp_codec
 codec_block = 256
 dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
+zero1 = False                   # ZeRO stage 1 over DP: AdamW state (fp32 master + moments) sharded, 1/dp per rank
+zero_codec = "none"             # with zero1: the parameter all-gather sends weight differences in this codec (SDP4Bit: hint4)
 pp_codec = "none"               # activations between pipeline stages (TAH-Quant-style: tahquant)
 pp_codec_bwd = ""               # gradients between stages ("" = same as pp_codec; TAH-Quant: higher precision, hint8)
 taco_chunks = 1                 # measured on 2xH200: more chunks only add host overhead (README)
@@ -133,7 +135,12 @@ def check_config(cfg, world):
         if cfg["tp"] != 1 or cfg["taco_chunks"] != 1:
             raise parallel.ConfigError(f"tp_emulate={t} emulates TP on one rank: set tp=1 and taco_chunks=1")
         parallel.check_layout(t, 1, 1, t, mc.n_head, mc.n_embd, mc.padded_vocab, mc.n_layer)
-    for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd"):
+    if cfg["zero1"] and dp == 1:
+        raise parallel.ConfigError(f"zero1 shards the optimizer over data parallelism, but dp=1: launch "
+                                   f"{2 * cfg['tp'] * cfg['pp']} processes (dp=2) or set zero1=False")
+    if cfg["zero_codec"] not in ("", "none") and not cfg["zero1"]:
+        raise parallel.ConfigError("zero_codec compresses ZeRO-1's parameter all-gather: set zero1=True too")
+    for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd", "zero_codec"):
         if cfg[k] not in ("", *taco.codec_names()):
             raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())}")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
@@ -175,40 +182,47 @@ def get_lr(it, c):
     return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
 
 
-def clip_grad_norm(params, max_norm, grid):
+def clip_grad_norm(params, max_norm, grid, zero=None):
     """Global gradient norm over the whole (sharded, staged) model: the squares of TP-split
     parameters are summed over the TP group, replicated ones counted once, then every pipeline
-    stage's sum is added (the last stage's copy of the tied embedding is not counted twice)."""
-    grads = [p for p in params if p.grad is not None and not getattr(p, "pp_tied_copy", False)]
-    split = [p.grad for p in grads if getattr(p, "tp_split", False)]
-    repl = [p.grad for p in grads if not getattr(p, "tp_split", False)]
+    stage's sum is added (the last stage's copy of the tied embedding is not counted twice).
+    Scales the gradients to norm <= max_norm; with ZeRO (`zero`, a parallel.ZeroAdamW) the squares
+    come from its DP-reduced gradient slices and the scale is applied in its step.
+    Returns (norm, scale)."""
     dev = params[0].device
-    sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros((), device=dev)
+    if zero is not None:
+        sq, repl_sq = zero.reduce_grads()
+    else:
+        grads = [p for p in params if p.grad is not None and not getattr(p, "pp_tied_copy", False)]
+        split = [p.grad for p in grads if getattr(p, "tp_split", False)]
+        repl = [p.grad for p in grads if not getattr(p, "tp_split", False)]
+        sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros((), device=dev)
+        repl_sq = torch.stack([g.float().pow(2).sum() for g in repl]).sum() if repl else 0.0
     if grid.tp > 1:
         dist.all_reduce(sq, group=grid.tp_group)
-    if repl:
-        sq = sq + torch.stack([g.float().pow(2).sum() for g in repl]).sum().to(sq.device)
+    sq = sq + repl_sq
     if grid.pp > 1:
         dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
+    if zero is None and max_norm > 0:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef.to(p.grad.device))
-    return norm
+    return norm, coef
 
 
-def ckpt_path(out, grid):
-    return os.path.join(out, f"ckpt_tp{grid.tp_rank}_pp{grid.pp_rank}.pt")
+def ckpt_path(out, grid, zero1=False):
+    return os.path.join(out, f"ckpt_tp{grid.tp_rank}_pp{grid.pp_rank}" + (f"_dp{grid.dp_rank}" if zero1 else "") + ".pt")
 
 
 def save_checkpoint(out, grid, model, opt, it, cfg):
-    """One file per (tp, pp) rank, written by dp rank 0: temp file + rename, so a crash mid-write
-    never leaves a torn checkpoint."""
-    if grid.dp_rank == 0:
+    """One file per (tp, pp) rank, written by dp rank 0 (with ZeRO-1 one per dp rank too: each
+    holds its own optimizer shard): temp file + rename, so a crash mid-write never leaves a torn
+    checkpoint."""
+    if grid.dp_rank == 0 or cfg["zero1"]:
         os.makedirs(out, exist_ok=True)
-        path = ckpt_path(out, grid)
+        path = ckpt_path(out, grid, cfg["zero1"])
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iter": it, "config": cfg,
                     "layout": [grid.tp, grid.pp]}, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -244,7 +258,7 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    used = ([tp_codec, tp_codec_bwd] * (max(grid.tp, tp_emulate) > 1) + [dp_codec] * (grid.dp > 1)
+    used = ([tp_codec, tp_codec_bwd] * (max(grid.tp, tp_emulate) > 1) + [dp_codec, zero_codec] * (grid.dp > 1)
             + [pp_codec, pp_codec_bwd] * (grid.pp > 1))
     if use_cuda and any(c not in ("", "none", "tahquant") for c in used):
         taco.load_kernels()                                  # every rank; local rank 0 builds first
@@ -259,12 +273,19 @@ def main():
     params = list(model.parameters())
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=learning_rate, betas=(beta1, beta2), fused=use_cuda)
+    dp_stats, pp_stats = taco.CommStats(), taco.CommStats()
+    zero = None
+    if zero1:
+        zero = opt = parallel.ZeroAdamW(params, grid, learning_rate, (beta1, beta2), 1e-8, weight_decay,
+                                        grad_codec=dp_codec, param_codec=zero_codec, block_size=codec_block,
+                                        stats=dp_stats)
+    else:
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=learning_rate, betas=(beta1, beta2), fused=use_cuda)
     it0 = 0
     if resume:
-        path = ckpt_path(out_dir, grid)
+        path = ckpt_path(out_dir, grid, zero1)
         if not os.path.exists(path):
             raise SystemExit(f"--resume: no checkpoint at {path}")
         ck = torch.load(path, map_location=dev, weights_only=False)
@@ -281,7 +302,6 @@ def main():
               f"{model.num_params(False) / 1e6:.2f} M in all")
 
     batches = Batches(dataset, block_size, batch_size, seed, grid.dp_rank, dev, grid.dp)
-    dp_stats, pp_stats = taco.CommStats(), taco.CommStats()
     autocast = torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32)
     tokens_per_iter = batch_size * block_size * gradient_accumulation_steps * grid.dp
     flops_per_iter = (6 * model.num_params() + 12 * n_layer * n_embd * block_size) * tokens_per_iter
@@ -344,7 +364,7 @@ def main():
     t0, loss_sum, nsum = time.time(), 0.0, 0
     for it in range(it0, max_iters):
         lr = get_lr(it, cfg)
-        for group in opt.param_groups:
+        for group in opt.param_groups if zero is None else ():
             group["lr"] = lr
         torch.manual_seed(seed + 100003 * it + grid.dp_rank)   # dropout RNG: stateless, same on TP peers
         comm.stats.reset()
@@ -353,10 +373,15 @@ def main():
         lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
         parallel.sync_sp_grads(params, comm)
         parallel.sync_tied_grads(model, grid)
-        parallel.sync_dp_grads(params, grid.dp_group, grid.dp, codec=dp_codec, stats=dp_stats, block_size=codec_block)
-        gnorm = clip_grad_norm(params, grad_clip, grid)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if zero is not None:                                 # ZeRO-1: reduce-scatter, clip, step, all-gather
+            gnorm, coef = clip_grad_norm(params, grad_clip, grid, zero)
+            zero.step(lr, coef)
+        else:
+            parallel.sync_dp_grads(params, grid.dp_group, grid.dp, codec=dp_codec, stats=dp_stats,
+                                   block_size=codec_block)
+            gnorm, _ = clip_grad_norm(params, grad_clip, grid)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if grid.dp > 1:
             dist.all_reduce(lossf, group=grid.dp_group)
             lossf /= grid.dp

@@ -190,3 +190,31 @@ def test_dp_gradient_averaging_equals_the_whole_batch():
     for pairs in run_ranks(_dp_grads, 2):
         for g, ref in pairs:                      # small buckets: several all-reduces, big params alone
             torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
+
+
+def _zero_vs_adamw(rank, world):
+    """The same toy parameters and gradients through ZeroAdamW (dp=world) and torch's AdamW."""
+    par = parallel
+    grid = par.Grid(rank=rank, world=world, dp=world, dp_rank=rank, dp_group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (300,), (3, 3, 2)]
+    ref = [torch.randn(s, generator=g, requires_grad=True) for s in shapes]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    opt = torch.optim.AdamW([{"params": [p for p in ref if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    zero = par.ZeroAdamW(ours, grid, 1e-2, (0.9, 0.999), 1e-8, 0.1)
+    for step in range(3):
+        grads = [torch.randn(s, generator=g) for s in shapes]     # the same on every rank
+        for p, q, gr in zip(ref, ours, grads):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        opt.step()
+        zero.reduce_grads()
+        zero.step(1e-2)
+    return [p.detach() for p in ref], [q.detach() for q in ours], zero.m.numel(), sum(p.numel() for p in ref)
+
+
+def test_zero_adamw_is_adamw_with_a_sharded_state():
+    for ref, ours, state, n in run_ranks(_zero_vs_adamw, 2):
+        for a, b in zip(ref, ours):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        assert state == 256 and state < n                        # 1/dp of the 398 values, padded to a block

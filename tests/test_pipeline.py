@@ -110,3 +110,28 @@ def test_compressed_pipeline_tracks_the_reference(tmp_path, reference):
     assert train != reference[0]                                          # it did compress
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
         assert json.loads(f.readline())["pp_ratio"] > 4.5
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+def test_zero1_trains_like_one_rank(tmp_path, reference, tp, pp):
+    """ZeRO-1 over dp=2 (optimizer state sharded, gradient reduce-scatter + parameter all-gather)
+    with TP or PP: the same losses as one rank (tolerance as for the other DP layouts)."""
+    out = str(tmp_path)
+    run(TINY + [f"--tp={tp}", f"--pp={pp}", "--zero1=True", "--gradient_accumulation_steps=2",
+                f"--out_dir={out}"], nproc=tp * pp * 2)
+    train, evals = losses(out)
+    assert train == pytest.approx(reference[0], rel=1e-5)
+    assert evals[-1]["val_loss"] == pytest.approx(reference[1][-1]["val_loss"], rel=1e-5)
+
+
+def test_zero1_with_sdp4bit_compression_tracks_the_reference(tmp_path, reference):
+    """SDP4Bit-style: hint8 gradients (reduce-scatter) and 4-bit weight DIFFERENCES (all-gather):
+    within 0.02 nats of the uncompressed curve over 4 steps (measured 2.1e-3), and far fewer bytes
+    (fp32 -> 8.1 and 4.1 bits: measured ratio 5.2 over both collectives)."""
+    run(TINY + ["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4", "--gradient_accumulation_steps=2",
+                f"--out_dir={tmp_path}"], nproc=2)
+    train, _ = losses(str(tmp_path))
+    assert max(abs(a - b) for a, b in zip(train, reference[0])) < 0.02
+    assert train != reference[0]
+    with open(os.path.join(tmp_path, "log.jsonl")) as f:
+        assert json.loads(f.readline())["dp_ratio"] > 4.5

@@ -48,19 +48,26 @@ def test_compressed_tp2_tracks_uncompressed(tmp_path):
         assert dev < 0.05, (codec, dev)
 
 
-def test_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("zero", [False, True])
+def test_resume_is_bit_exact(tmp_path, zero):
+    """6 steps in one go == 3 steps, stop, resume, 3 more; also with ZeRO-1 over dp=2 (each DP rank
+    saves and reloads its own optimizer shard)."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    common = TINY + ["--max_iters=6", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6"]
-    run(common + [f"--out_dir={a}"])
+    extra, nproc = (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2) if zero else ([], 1)
+    common = TINY + extra + ["--max_iters=6", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6"]
+    run(common + [f"--out_dir={a}"], nproc=nproc)
     run(common[:-3] + ["--max_iters=3", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6",
-                       f"--out_dir={b}"])
-    run(common + [f"--out_dir={b}", "--resume"])
-    ca = torch.load(os.path.join(a, "ckpt_tp0_pp0.pt"), weights_only=False)
-    cb = torch.load(os.path.join(b, "ckpt_tp0_pp0.pt"), weights_only=False)
+                       f"--out_dir={b}"], nproc=nproc)
+    run(common + [f"--out_dir={b}", "--resume"], nproc=nproc)
+    name = "ckpt_tp0_pp0_dp1.pt" if zero else "ckpt_tp0_pp0.pt"
+    ca = torch.load(os.path.join(a, name), weights_only=False)
+    cb = torch.load(os.path.join(b, name), weights_only=False)
     assert ca["iter"] == cb["iter"] == 6
     for k, v in ca["model"].items():
         assert torch.equal(v, cb["model"][k]), k
     assert losses(a)[0][3:] == losses(b)[0][3:]
+    if zero:
+        assert torch.equal(ca["optimizer"]["m"], cb["optimizer"]["m"]) and ca["optimizer"]["dp"] == [2, 1]
 
 
 @pytest.mark.parametrize("args, message", [
