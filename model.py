@@ -324,10 +324,21 @@ class GPT(nn.Module):
                                                self.wte.start, n_real, self.comm.group)
         return logits, loss
 
-    def full_logits(self, idx):
-        """Last-position logits over the whole vocabulary (gathered over TP): for sampling only."""
-        assert self.stages == 1, "sampling is implemented for pp = 1 only"
-        logits, _ = self(idx)
+    def full_logits(self, idx, grid=None):
+        """Last-position logits over the whole vocabulary (gathered over TP): for sampling only.
+        With pipeline stages every stage calls it: the context runs through the stages in turn
+        (blocking send/recv to the neighbours, grid's convention); non-last stages return None."""
+        if self.stages == 1:
+            logits, _ = self(idx)
+        else:
+            h = None
+            if not self.first:
+                h = torch.empty(*idx.shape, self.config.n_embd, device=idx.device)
+                dist.recv(h, grid.rank - grid.tp)
+            logits, _ = self(idx if self.first else None, None, h)
+            if not self.last:
+                dist.send(logits.float().contiguous(), grid.rank + grid.tp)
+                return None
         logits = logits[:, -1, :].float().contiguous()                                # (B, V/tp)
         if self.comm.size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.comm.size)]
@@ -336,17 +347,25 @@ class GPT(nn.Module):
         return logits[:, :self.config.vocab_size]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, grid=None):
         """Sample tokens. Under TP every rank must call this with the same idx and an identically
-        seeded generator (all ranks take part in every forward and must draw the same token)."""
+        seeded generator (all ranks take part in every forward and must draw the same token).
+        With pipeline stages (pass the grid) every stage calls it; the last stage draws the token
+        and broadcasts it to the other stages of its pipeline."""
+        assert not self.comm.sp, "sampling with sequence parallelism is not implemented"
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.config.block_size:]
-            logits = self.full_logits(ctx) / temperature
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
-                logits[logits < v[:, [-1]]] = float("-inf")
-            probs = F.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            logits = self.full_logits(ctx, grid)
+            nxt = torch.empty(idx.shape[0], 1, dtype=idx.dtype, device=idx.device)
+            if self.last:
+                logits = logits / temperature
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                    logits[logits < v[:, [-1]]] = float("-inf")
+                probs = F.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            if self.stages > 1:
+                dist.broadcast(nxt, src=grid.rank + (grid.pp - 1 - grid.pp_rank) * grid.tp, group=grid.pp_group)
             idx = torch.cat((idx, nxt), dim=1)
         return idx
 

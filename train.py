@@ -427,16 +427,16 @@ def main():
         bar.close()
 
     # === a sample, so you can see what it learned ===
-    if sample_tokens > 0 and (grid.pp > 1 or sequence_parallel) and master:
-        print("(no sample: generation is implemented for pp = 1 without sequence parallelism)")
-    if sample_tokens > 0 and grid.pp == 1 and not sequence_parallel:
+    if sample_tokens > 0 and sequence_parallel and master:
+        print("(no sample: generation is not implemented with sequence parallelism)")
+    if sample_tokens > 0 and not sequence_parallel:
         from data.tokenizer import get_encoding
         enc = get_encoding()
         model.eval()
         idx = torch.tensor([enc.encode_ordinary(sample_prompt)], device=dev)
         gen = torch.Generator().manual_seed(seed)             # identical on every TP rank
         with autocast:
-            out = model.generate(idx, sample_tokens, temperature=0.8, top_k=100, generator=gen)
+            out = model.generate(idx, sample_tokens, temperature=0.8, top_k=100, generator=gen, grid=grid)
         if master:
             print("sample:\n" + enc.decode(out[0].tolist()))
     if grid.world > 1:

@@ -135,3 +135,13 @@ def test_zero1_with_sdp4bit_compression_tracks_the_reference(tmp_path, reference
     assert train != reference[0]
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
         assert json.loads(f.readline())["dp_ratio"] > 4.5
+
+
+def test_sampling_through_the_pipeline_matches_one_rank(tmp_path):
+    """Generation with pp=2: the context runs through both stages, the last one draws and
+    broadcasts each token. Pipeline training is bit-exact, so the sample is the one-rank sample."""
+    args = TINY + ["--max_iters=2", "--eval_interval=0", "--sample_tokens=12", "--gradient_accumulation_steps=2"]
+    one = run(args + [f"--out_dir={tmp_path}/a"]).stdout
+    two = run(args + ["--pp=2", f"--out_dir={tmp_path}/b"], nproc=2).stdout
+    sample = lambda out: out[out.index("sample:"):]
+    assert "sample:" in one and sample(one) == sample(two)
