@@ -10,6 +10,7 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
     python bench.py study table1,fig11:1 3 8  # GPU: table1 with 3 seeds, fig11 with 1, 8 runs at a time
     python bench.py kernels                   # GPU: fused kernels vs copy bandwidth vs PyTorch reference
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
+    python bench.py e2e configs/gpt2s.py none,hint8,taco 2 nvlink --max_iters=60   # training, per codec
 """
 import json
 import os
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 import taco
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.environ.get("NANOTACO_RESULTS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 
 
 def environment():
@@ -92,7 +93,7 @@ def bench_codecs(world=4, steps=100):
     print(f"capturing TP={world} all-reduce inputs of the demo model after {steps} training steps (CPU, gloo)...")
     calls = capture_tp_tensors(world, steps)
     rows = []
-    for name in ["none"] + list(taco.CODECS):
+    for name in taco.codec_names():
         err = {"fwd": [], "bwd": []}
         snr = []
         for direction, partials in calls:
@@ -279,6 +280,42 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
         print(f"\ncompressed all-reduce vs NCCL bf16, {world} GPUs, {tag}:")
         table(rows, ["MB", "variant", "chunks", "us", "host us", "algbw GB/s", "vs nccl", "rel err", "identical"])
     dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# end-to-end training throughput: the same config with each codec, one invocation
+
+def bench_e2e(config, codecs, nproc, extra, tag="e2e"):
+    """Train `config` for a few steps once per TP codec (torchrun, nproc ranks), in this one
+    invocation, and compare step time, tokens/s and MFU with the uncompressed run (the first codec
+    should be none). Steps before the second log line (warm-up, JIT) are not timed: the figures are
+    the mean of the later log lines' per-step times."""
+    import subprocess
+    rows = []
+    for codec in codecs:
+        out = os.path.join("out", f"{tag}_{codec}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py", config,
+               f"--tp_codec={codec}", "--eval_interval=0", "--sample_tokens=0", "--progress=False",
+               "--ckpt_interval=-1", *extra, f"--out_dir={out}"]
+        print(" ".join(cmd), flush=True)
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"{codec}: train.py failed\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+        logs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"ms"' in line][1:]
+        if not logs:
+            raise SystemExit(f"{codec}: too few steps to time; raise --max_iters or lower --log_interval")
+        ms = sum(r["ms"] for r in logs) / len(logs)
+        mfu = [r["mfu"] for r in logs if r.get("mfu") is not None]
+        rows.append({"codec": codec, "ms/step": round(ms, 2), "tok/s": round(logs[-1]["tok_s"]),
+                     "MFU %": round(sum(mfu) / len(mfu), 1) if mfu else "-",
+                     "tp wire MiB/step": round(logs[-1]["tp_wire_bytes"] / 2 ** 20, 2),
+                     "loss": round(logs[-1]["loss"], 4)})
+    base = rows[0]["ms/step"]
+    for r in rows:
+        r["speedup"] = f"{base / r['ms/step']:.2f}x"
+    save(f"e2e_{tag}", rows, config=config, nproc=nproc, extra=extra,
+         note="mean step time over the log lines after the first; speedup = first codec's ms / this codec's ms")
+    table(rows, ["codec", "ms/step", "speedup", "tok/s", "MFU %", "tp wire MiB/step", "loss"])
 
 
 # -----------------------------------------------------------------------------
@@ -504,7 +541,12 @@ if __name__ == "__main__":
             if group not in STUDY:
                 raise SystemExit(f"unknown study group {group!r}: {', '.join(STUDY)}")
         bench_study(groups, [a for a in sys.argv[3:] if a.startswith("--")], jobs)
+    elif what == "e2e":
+        # python bench.py e2e CONFIG CODEC[,CODEC...] [NPROC] [TAG] [--train.py overrides ...]
+        pos = [a for a in sys.argv[2:] if not a.startswith("--")]
+        bench_e2e(pos[0], pos[1].split(","), int(pos[2]) if len(pos) > 2 else 2,
+                  [a for a in sys.argv[2:] if a.startswith("--")], pos[3] if len(pos) > 3 else "e2e")
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | plot | histograms | study | study-report")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | plot | histograms | study | study-report")

@@ -2,9 +2,9 @@
 Train a tensor-parallel GPT, optionally with compressed TP all-reduces.
 
     python train.py                                            # one process, the CPU demo defaults
-    torchrun --nproc_per_node=2 train.py configs/demo.py       # TP=2 on CPU (gloo) or GPU (NCCL)
+    torchrun --nproc_per_node=4 train.py configs/demo.py       # TP=2 x PP=2 on CPU (gloo) or GPU (NCCL)
     torchrun --nproc_per_node=2 train.py configs/gpt2s.py --tp_codec=taco --max_iters=200
-    torchrun --nproc_per_node=2 train.py configs/demo.py --resume  # continue from out_dir
+    torchrun --nproc_per_node=4 train.py configs/demo.py --resume  # continue from out_dir
 
 Config (nanoGPT style): the globals below are the defaults; a config file is plain assignments
 that override them; --key=value overrides are type-checked against the default's type.
@@ -412,7 +412,8 @@ def main():
             record(iter=it + 1, loss=loss_sum / nsum, lr=lr, ms=dt * 1000, tok_s=tokens_per_iter / dt,
                    tp_wire_bytes=comm.stats.wire_bytes, tp_ratio=comm.stats.ratio,
                    dp_wire_bytes=dp_stats.wire_bytes, dp_ratio=dp_stats.ratio,
-                   pp_wire_bytes=pp_stats.wire_bytes, pp_ratio=pp_stats.ratio)
+                   pp_wire_bytes=pp_stats.wire_bytes, pp_ratio=pp_stats.ratio,
+                   mfu=100 * flops_per_iter / (dt * grid.world * peak_flops) if use_cuda else None)
             t0, loss_sum, nsum = time.time(), 0.0, 0
         last = it + 1 == max_iters
         if eval_interval and ((it + 1) % eval_interval == 0 or last):
