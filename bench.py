@@ -11,8 +11,10 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
     python bench.py kernels                   # GPU: fused kernels vs copy bandwidth vs PyTorch reference
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt2s.py none,hint8,taco 2 nvlink --max_iters=60   # training, per codec
+    python bench.py costmodel                 # CPU: predicted TP share and speedup from the measured collectives
 """
 import json
+import math
 import os
 import platform
 import sys
@@ -319,6 +321,51 @@ def bench_e2e(config, codecs, nproc, extra, tag="e2e"):
 
 
 # -----------------------------------------------------------------------------
+# a cost model of the TP communication in a training step, from the measured collectives
+
+def interp_us(rows, variant, mb):
+    """All-reduce time (us) of `variant` (chunks=1) at `mb` MB: log-log interpolation between
+    the two measured sizes around it (results/collective_*.json)."""
+    pts = sorted((r["MB"], float(r["us"])) for r in rows if r["variant"] == variant and r["chunks"] == 1)
+    (m0, t0), (m1, t1) = next(((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= mb <= b[0]), pts[-2:])
+    return t0 * (t1 / t0) ** (math.log(mb / m0) / math.log(m1 / m0))
+
+
+def bench_costmodel(n_ar=50, mb=24 * 1.048576, step_ms=None):
+    """GPT-2 small at TP=2 (configs/gpt2s.py): 50 TP all-reduces per step (4 per block x 12 + the
+    embedding's and the head's) of 16 x 1024 x 768 bf16 = 24 MiB. Predicted step time with a codec
+    = measured uncompressed step - 50 x t_nccl(24 MiB) + 50 x t_codec(24 MiB), against the
+    measured step times (results/gpu/gpu_train.log)."""
+    import re
+    if step_ms is None:                  # the last timed log line of each run in the GPU training log
+        step_ms, key = {}, None
+        for line in open(os.path.join(RESULTS, "gpu", "gpu_train.log")):
+            m = re.match(r"=== train gpt2s TP=2 tp_codec=(\S+) \((NVLink|NCCL_P2P_DISABLE=1)\)", line)
+            if m:
+                key = ("nvlink" if m.group(2) == "NVLink" else "p2p_disabled", m.group(1))
+            m = re.match(r"step\s+\d+ \| loss .*\|\s+([\d.]+) ms", line)
+            if m and key:
+                step_ms[key] = float(m.group(1))
+    rows = []
+    for link in ("nvlink", "p2p_disabled"):
+        coll = json.load(open(os.path.join(RESULTS, f"collective_{link}.json")))["rows"]
+        t_nccl = interp_us(coll, "nccl bf16", mb)
+        base = step_ms[(link, "none")]
+        for codec in ("hint8", "taco"):
+            t = interp_us(coll, codec, mb)
+            pred = base - n_ar * t_nccl / 1e3 + n_ar * t / 1e3
+            meas = step_ms.get((link, codec))
+            rows.append({"link": link, "codec": codec, "TP share (none)": f"{100 * n_ar * t_nccl / 1e3 / base:.0f}%",
+                         "t_nccl us": round(t_nccl), "t_codec us": round(t), "none ms": base,
+                         "predicted ms": round(pred, 1), "predicted speedup": f"{base / pred:.2f}x",
+                         "measured ms": meas if meas else "-",
+                         "measured speedup": f"{base / meas:.2f}x" if meas else "-"})
+    save("costmodel", rows, n_allreduces=n_ar, mb=mb, note=bench_costmodel.__doc__)
+    table(rows, ["link", "codec", "TP share (none)", "t_nccl us", "t_codec us", "none ms", "predicted ms",
+                 "predicted speedup", "measured ms", "measured speedup"])
+
+
+# -----------------------------------------------------------------------------
 # accuracy study: the paper's convergence comparisons at small scale, TP emulated on one GPU
 
 STUDY = {   # group: (emulated TP degree, [(codec, block size)]); "none" is the uncompressed baseline
@@ -541,6 +588,8 @@ if __name__ == "__main__":
             if group not in STUDY:
                 raise SystemExit(f"unknown study group {group!r}: {', '.join(STUDY)}")
         bench_study(groups, [a for a in sys.argv[3:] if a.startswith("--")], jobs)
+    elif what == "costmodel":
+        bench_costmodel()
     elif what == "e2e":
         # python bench.py e2e CONFIG CODEC[,CODEC...] [NPROC] [TAG] [--train.py overrides ...]
         pos = [a for a in sys.argv[2:] if not a.startswith("--")]
@@ -549,4 +598,4 @@ if __name__ == "__main__":
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | plot | histograms | study | study-report")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | costmodel | plot | histograms | study | study-report")

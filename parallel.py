@@ -459,6 +459,72 @@ def sync_dp_grads(params, group, world, bucket_numel=2 ** 24, codec="none", stat
             g.copy_(piece.view_as(g))
 
 
+class OverlappedDPSync:
+    """DP gradient averaging overlapped with the backward pass (PyTorch DDP's idea, in a page).
+
+    Parameters are grouped into buckets in REVERSE order (roughly the order in which backward
+    produces their gradients). A post-accumulate-grad hook counts, per parameter, the micro-batch
+    backwards of the step; when the last one has accumulated into every parameter of a bucket, the
+    bucket's all-reduce starts (async) while backward goes on with earlier layers. finish() waits
+    for all of them and writes the averages back into .grad. With a codec the bucket goes through
+    taco.all_reduce (on the GPU its kernels and NCCL calls are queued on streams, so the host still
+    returns to the backward pass; on gloo it blocks). Same sums as sync_dp_grads."""
+
+    def __init__(self, params, group, world, bucket_numel=2 ** 24, codec="none", block_size=256, stats=None):
+        self.group, self.world, self.codec, self.block_size, self.stats = group, world, codec, block_size, stats
+        self.buckets, self.bucket_of, n = [[]], {}, 0
+        for p in reversed(params):
+            if self.buckets[-1] and n + p.numel() > bucket_numel:
+                self.buckets.append([])
+                n = 0
+            self.buckets[-1].append(p)
+            self.bucket_of[p] = len(self.buckets) - 1
+            n += p.numel()
+            p.register_post_accumulate_grad_hook(self._hook)
+        self.micro = 0                                      # 0: not in a step, hooks do nothing
+
+    def start(self, micro):
+        """Call before the step's backward passes: `micro` micro-batches will accumulate."""
+        self.micro, self.count, self.ready, self.pending = micro, {}, [0] * len(self.buckets), {}
+
+    def _hook(self, p):
+        if not self.micro:
+            return
+        c = self.count[p] = self.count.get(p, 0) + 1
+        if c == self.micro:
+            b = self.bucket_of[p]
+            self.ready[b] += 1
+            if self.ready[b] == len(self.buckets[b]):
+                self._launch(b)
+
+    def _launch(self, b):
+        grads = [p.grad for p in self.buckets[b] if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        if self.codec in ("", "none"):
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            if self.stats is not None:
+                logical = 2 * (self.world - 1) * flat.numel() * 4 / self.world
+                self.stats.add(logical, logical)
+        else:
+            work = None
+            taco.all_reduce(flat, group=self.group, codec=self.codec, block_size=self.block_size, stats=self.stats)
+        self.pending[b] = (work, flat, grads)
+
+    def finish(self):
+        for b in range(len(self.buckets)):                  # buckets whose gradients never all arrived
+            if b not in self.pending:
+                self._launch(b)
+        for work, flat, grads in self.pending.values():
+            if work is not None:
+                work.wait()
+            flat /= self.world
+            for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(piece.view_as(g))
+        self.micro = 0
+
+
 class ZeroAdamW:
     """ZeRO stage 1 (Rajbhandari et al. 2020): AdamW whose state — fp32 master weights and both
     moments — is sharded over the DP group, so each DP rank holds 1/dp of it.

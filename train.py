@@ -69,6 +69,7 @@ tp_codec = "none"
 tp_codec_bwd = ""               # "" = same as tp_codec
 codec_block = 256
 dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
+dp_overlap = True               # start each DP gradient bucket's all-reduce during the backward pass (False: after it)
 zero1 = False                   # ZeRO stage 1 over DP: AdamW state (fp32 master + moments) sharded, 1/dp per rank
 zero_codec = "none"             # with zero1: the parameter all-gather sends weight differences in this codec (SDP4Bit: hint4)
 pp_codec = "none"               # activations between pipeline stages (TAH-Quant-style: tahquant)
@@ -274,12 +275,15 @@ def main():
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     dp_stats, pp_stats = taco.CommStats(), taco.CommStats()
-    zero = None
+    zero = dpsync = None
     if zero1:
         zero = opt = parallel.ZeroAdamW(params, grid, learning_rate, (beta1, beta2), 1e-8, weight_decay,
                                         grad_codec=dp_codec, param_codec=zero_codec, block_size=codec_block,
                                         stats=dp_stats)
     else:
+        if grid.dp > 1 and dp_overlap:
+            dpsync = parallel.OverlappedDPSync(params, grid.dp_group, grid.dp, codec=dp_codec, block_size=codec_block,
+                                               stats=dp_stats)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
                                 lr=learning_rate, betas=(beta1, beta2), fused=use_cuda)
@@ -370,15 +374,20 @@ def main():
         comm.stats.reset()
         dp_stats.reset()
         pp_stats.reset()
+        if dpsync is not None:
+            dpsync.start(gradient_accumulation_steps)        # buckets all-reduce as their gradients finish
         lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
+        if dpsync is not None:
+            dpsync.finish()             # first: it writes the DP averages over .grad (the sums below commute)
         parallel.sync_sp_grads(params, comm)
         parallel.sync_tied_grads(model, grid)
         if zero is not None:                                 # ZeRO-1: reduce-scatter, clip, step, all-gather
             gnorm, coef = clip_grad_norm(params, grad_clip, grid, zero)
             zero.step(lr, coef)
         else:
-            parallel.sync_dp_grads(params, grid.dp_group, grid.dp, codec=dp_codec, stats=dp_stats,
-                                   block_size=codec_block)
+            if dpsync is None:
+                parallel.sync_dp_grads(params, grid.dp_group, grid.dp, codec=dp_codec, stats=dp_stats,
+                                       block_size=codec_block)
             gnorm, _ = clip_grad_norm(params, grad_clip, grid)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -218,3 +218,29 @@ def test_zero_adamw_is_adamw_with_a_sharded_state():
         for a, b in zip(ref, ours):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         assert state == 256 and state < n                        # 1/dp of the 398 values, padded to a block
+
+
+def _overlapped_dp(rank, world):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    params = list(net.parameters())
+    sync = parallel.OverlappedDPSync(params, dist.group.WORLD, world, bucket_numel=200)
+    sync.start(2)                                           # two micro-batches accumulate
+    launched_before_finish = []
+    for micro in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * rank + micro))
+        net(x).square().sum().backward()
+        launched_before_finish.append(len(sync.pending))
+    mine = [p.grad.clone() for p in params]
+    sync.finish()
+    return launched_before_finish, len(sync.buckets), mine, [p.grad for p in params]
+
+
+def test_overlapped_dp_sync_starts_buckets_during_backward():
+    """Buckets start only once the LAST micro-batch has accumulated (none after micro-batch 0, all
+    of them by the end of micro-batch 1's backward, before finish()); the result is the average."""
+    out = run_ranks(_overlapped_dp, 2)
+    for launched, nbuckets, _, avg in out:
+        assert nbuckets >= 3 and launched == [0, nbuckets]
+        for i, g in enumerate(avg):
+            torch.testing.assert_close(g, (out[0][2][i] + out[1][2][i]) / 2)

@@ -52,13 +52,16 @@ def test_reference_matches_golden_file(reference):
 LAYOUTS = [(1, 2, 1, "gpipe", False), (1, 2, 1, "1f1b", False), (1, 4, 1, "1f1b", False),
            (1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (2, 2, 1, "1f1b", False),
            (2, 2, 2, "gpipe", False), (2, 1, 1, "1f1b", True), (2, 2, 1, "1f1b", True)]
+# DP layouts run with dp_overlap=True (the default: bucket all-reduces started from backward hooks);
+# one also without it (all buckets after the backward)
 
 
-@pytest.mark.parametrize("tp, pp, dp, schedule, sp", LAYOUTS)
+@pytest.mark.parametrize("tp, pp, dp, schedule, sp", LAYOUTS + [(1, 1, 2, "no-overlap", False)])
 def test_layout_trains_like_one_rank(tmp_path, reference, tp, pp, dp, schedule, sp):
     out = str(tmp_path)
-    run(TINY + [f"--tp={tp}", f"--pp={pp}", f"--schedule={schedule}", f"--gradient_accumulation_steps={4 // dp}",
-                f"--sequence_parallel={sp}", f"--out_dir={out}"], nproc=tp * pp * dp)
+    extra = ["--dp_overlap=False"] if schedule == "no-overlap" else [f"--schedule={schedule}"]
+    run(TINY + extra + [f"--tp={tp}", f"--pp={pp}", f"--gradient_accumulation_steps={4 // dp}",
+                        f"--sequence_parallel={sp}", f"--out_dir={out}"], nproc=tp * pp * dp)
     train, evals = losses(out)
     if tp == 1 and dp == 1:
         assert train == reference[0]
