@@ -557,12 +557,15 @@ class ZeroAdamW:
         self.own = own
         self.master = self.flat([p.detach() for p in params])[own].clone()
         self.m, self.v, self.t = torch.zeros_like(self.master), torch.zeros_like(self.master), 0
-        # per-element weight decay and norm bookkeeping for this slice (see train.clip_grad_norm)
+        # per-element masks for this slice (1 byte each): weight decay (2-D weights, as in train.py's
+        # param groups) and the norm bookkeeping of train.clip_grad_norm
         tied = lambda p: getattr(p, "pp_tied_copy", False)
         split = lambda p: getattr(p, "tp_split", False)
-        self.decay = self.flat([torch.full_like(p, weight_decay if p.dim() >= 2 else 0.0) for p in params])[own]
-        self.split = self.flat([torch.full_like(p, float(split(p) and not tied(p))) for p in params])[own]
-        self.repl = self.flat([torch.full_like(p, float(not split(p) and not tied(p))) for p in params])[own]
+        mask = lambda f: self.flat([torch.full_like(p, float(f(p))) for p in params])[own].bool()
+        self.weight_decay = weight_decay
+        self.decay = mask(lambda p: p.dim() >= 2)
+        self.split = mask(lambda p: split(p) and not tied(p))
+        self.repl = mask(lambda p: not split(p) and not tied(p))
         self.grad = None
 
     def flat(self, tensors):
@@ -578,7 +581,8 @@ class ZeroAdamW:
             p.grad = None
         self.grad = taco.reduce_scatter(flat, group=self.group, codec=self.grad_codec,
                                         block_size=self.block_size, stats=self.stats) / self.W
-        sq = torch.stack(((self.grad.square() * self.split).sum(), (self.grad.square() * self.repl).sum()))
+        g2 = self.grad.square()
+        sq = torch.stack((torch.where(self.split, g2, 0).sum(), torch.where(self.repl, g2, 0).sum()))
         dist.all_reduce(sq, group=self.group)
         return sq[0], sq[1]
 
@@ -587,7 +591,7 @@ class ZeroAdamW:
         """Steps 3-4 with the clipping coefficient coef."""
         g = self.grad * coef
         self.t += 1
-        self.master.mul_(1 - lr * self.decay)
+        self.master.mul_(torch.where(self.decay, 1 - lr * self.weight_decay, 1.0))
         self.m.lerp_(g, 1 - self.b1)
         self.v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
         denom = (self.v.sqrt() / math.sqrt(1 - self.b2 ** self.t)).add_(self.eps)
