@@ -27,7 +27,8 @@ combined by taco.emulated_all_reduce. One GPU can so study TP=8 compression.
 
 Pipeline parallelism splits the blocks over pp stages and runs microbatches through them with a
 GPipe or 1F1B schedule (point-to-point sends of the (B, T, C) activations and their gradients).
-Data parallelism averages gradients over the DP group in flat buckets after the backward pass.
+Data parallelism averages gradients over the DP group in flat buckets, started during the backward
+pass (DPGradSync), or shards the optimizer over it (ZeroAdamW, ZeRO stage 1).
 """
 import math
 import os
@@ -435,42 +436,26 @@ def sync_tied_grads(model, grid):
 # -----------------------------------------------------------------------------
 # data parallelism
 
-def sync_dp_grads(params, group, world, bucket_numel=2 ** 24, codec="none", stats=None, block_size=256):
-    """Average gradients over the DP group: pack into flat fp32 buckets, one all-reduce each.
+class DPGradSync:
+    """Average gradients over the DP group: flat fp32 buckets, one all-reduce each.
+
     With a codec (SDP4Bit-style, arXiv 2410.15526: Hadamard-smoothed low-bit gradients; `hint8` or
-    `hint4`) each bucket goes through the same two-shot compressed all-reduce as TP traffic.
-    (Of SDP4Bit we implement the gradient quantisation with a Hadamard rotation, at one bit width
-    for the whole all-reduce; not its two-level 8-bit intra-node / 4-bit inter-node split, and not
-    its 4-bit weight-difference all-gather for ZeRO, which we do not have.)"""
-    if world == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    i = 0
-    while i < len(grads):
-        bucket, n = [], 0
-        while i < len(grads) and (not bucket or n + grads[i].numel() <= bucket_numel):
-            bucket.append(grads[i])
-            n += grads[i].numel()
-            i += 1
-        flat = torch.cat([g.reshape(-1).float() for g in bucket])
-        taco.all_reduce(flat, group=group, codec=codec, block_size=block_size, stats=stats)
-        flat /= world
-        for g, piece in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(piece.view_as(g))
+    `hint4`) each bucket goes through the same two-shot compressed all-reduce as TP traffic. (Of
+    SDP4Bit we implement the gradient quantisation with a Hadamard rotation, at one bit width for
+    the whole all-reduce, not its two-level intra-/inter-node split; its weight-difference
+    all-gather is in ZeroAdamW.)
 
+    overlap=True (PyTorch DDP's idea, in a page): parameters are grouped into buckets in REVERSE
+    order (roughly the order in which backward produces their gradients), and a
+    post-accumulate-grad hook counts, per parameter, the micro-batch backwards of the step; when
+    the last one has accumulated into every parameter of a bucket, the bucket's all-reduce starts
+    (async) while backward goes on with earlier layers. With a codec the bucket goes through
+    taco.all_reduce (on the GPU its kernels and NCCL calls are queued on streams, so the host
+    returns to the backward pass; on gloo it blocks). overlap=False: every bucket in finish().
+    finish() waits for all of them and writes the averages back into .grad."""
 
-class OverlappedDPSync:
-    """DP gradient averaging overlapped with the backward pass (PyTorch DDP's idea, in a page).
-
-    Parameters are grouped into buckets in REVERSE order (roughly the order in which backward
-    produces their gradients). A post-accumulate-grad hook counts, per parameter, the micro-batch
-    backwards of the step; when the last one has accumulated into every parameter of a bucket, the
-    bucket's all-reduce starts (async) while backward goes on with earlier layers. finish() waits
-    for all of them and writes the averages back into .grad. With a codec the bucket goes through
-    taco.all_reduce (on the GPU its kernels and NCCL calls are queued on streams, so the host still
-    returns to the backward pass; on gloo it blocks). Same sums as sync_dp_grads."""
-
-    def __init__(self, params, group, world, bucket_numel=2 ** 24, codec="none", block_size=256, stats=None):
+    def __init__(self, params, group, world, bucket_numel=2 ** 24, codec="none", block_size=256, stats=None,
+                 overlap=True):
         self.group, self.world, self.codec, self.block_size, self.stats = group, world, codec, block_size, stats
         self.buckets, self.bucket_of, n = [[]], {}, 0
         for p in reversed(params):
@@ -480,7 +465,8 @@ class OverlappedDPSync:
             self.buckets[-1].append(p)
             self.bucket_of[p] = len(self.buckets) - 1
             n += p.numel()
-            p.register_post_accumulate_grad_hook(self._hook)
+            if overlap:
+                p.register_post_accumulate_grad_hook(self._hook)
         self.micro = 0                                      # 0: not in a step, hooks do nothing
 
     def start(self, micro):
@@ -513,7 +499,7 @@ class OverlappedDPSync:
         self.pending[b] = (work, flat, grads)
 
     def finish(self):
-        for b in range(len(self.buckets)):                  # buckets whose gradients never all arrived
+        for b in range(len(self.buckets)):      # buckets not started yet (overlap=False: all of them)
             if b not in self.pending:
                 self._launch(b)
         for work, flat, grads in self.pending.values():
@@ -523,6 +509,14 @@ class OverlappedDPSync:
             for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(piece.view_as(g))
         self.micro = 0
+
+
+def sync_dp_grads(params, group, world, **kw):
+    """Average the gradients over the DP group now (after the backward pass): DPGradSync, no hooks."""
+    if world > 1:
+        sync = DPGradSync(params, group, world, overlap=False, **kw)
+        sync.start(1)
+        sync.finish()
 
 
 class ZeroAdamW:

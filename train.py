@@ -281,9 +281,9 @@ def main():
                                         grad_codec=dp_codec, param_codec=zero_codec, block_size=codec_block,
                                         stats=dp_stats)
     else:
-        if grid.dp > 1 and dp_overlap:
-            dpsync = parallel.OverlappedDPSync(params, grid.dp_group, grid.dp, codec=dp_codec, block_size=codec_block,
-                                               stats=dp_stats)
+        if grid.dp > 1:
+            dpsync = parallel.DPGradSync(params, grid.dp_group, grid.dp, codec=dp_codec, block_size=codec_block,
+                                         stats=dp_stats, overlap=dp_overlap)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
                                 lr=learning_rate, betas=(beta1, beta2), fused=use_cuda)
@@ -375,7 +375,7 @@ def main():
         dp_stats.reset()
         pp_stats.reset()
         if dpsync is not None:
-            dpsync.start(gradient_accumulation_steps)        # buckets all-reduce as their gradients finish
+            dpsync.start(gradient_accumulation_steps)        # dp_overlap: buckets start as their gradients finish
         lossf = mean_loss("train", it, gradient_accumulation_steps, train=True)
         if dpsync is not None:
             dpsync.finish()             # first: it writes the DP averages over .grad (the sums below commute)
@@ -385,9 +385,6 @@ def main():
             gnorm, coef = clip_grad_norm(params, grad_clip, grid, zero)
             zero.step(lr, coef)
         else:
-            if dpsync is None:
-                parallel.sync_dp_grads(params, grid.dp_group, grid.dp, codec=dp_codec, stats=dp_stats,
-                                       block_size=codec_block)
             gnorm, _ = clip_grad_norm(params, grad_clip, grid)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -224,7 +224,7 @@ def _overlapped_dp(rank, world):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
     params = list(net.parameters())
-    sync = parallel.OverlappedDPSync(params, dist.group.WORLD, world, bucket_numel=200)
+    sync = parallel.DPGradSync(params, dist.group.WORLD, world, bucket_numel=200)
     sync.start(2)                                           # two micro-batches accumulate
     launched_before_finish = []
     for micro in range(2):
