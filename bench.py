@@ -290,14 +290,15 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
 def bench_e2e(config, codecs, nproc, extra, tag="e2e"):
     """Train `config` for a few steps once per TP codec (torchrun, nproc ranks), in this one
     invocation, and compare step time, tokens/s and MFU with the uncompressed run (the first codec
-    should be none). Steps before the second log line (warm-up, JIT) are not timed: the figures are
+    should be none). An entry KEY=VALUE sets another train.py knob instead (e.g. pp_codec=hint8). Steps before the second log line (warm-up, JIT) are not timed: the figures are
     the mean of the later log lines' per-step times."""
     import subprocess
     rows = []
     for codec in codecs:
-        out = os.path.join("out", f"{tag}_{codec}")
+        out = os.path.join("out", f"{tag}_{codec.replace('=', '-')}")
+        setting = f"--{codec}" if "=" in codec else f"--tp_codec={codec}"    # "pp_codec=hint8": another knob
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py", config,
-               f"--tp_codec={codec}", "--eval_interval=0", "--sample_tokens=0", "--progress=False",
+               setting, "--eval_interval=0", "--sample_tokens=0", "--progress=False",
                "--ckpt_interval=-1", *extra, f"--out_dir={out}"]
         print(" ".join(cmd), flush=True)
         p = subprocess.run(cmd, capture_output=True, text=True)

@@ -113,12 +113,13 @@ def test_e2e_benchmark_runs_every_codec_in_one_invocation(tmp_path):
     """bench.py e2e: one training per codec, same invocation, a table with the speedup column
     (on CPU the numbers mean nothing; the GPU results are in results/e2e_*.json)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NANOTACO_RESULTS=str(tmp_path))
-    p = subprocess.run([sys.executable, "bench.py", "e2e", "configs/demo.py", "none,hint8", "2", "cputest",
+    p = subprocess.run([sys.executable, "bench.py", "e2e", "configs/demo.py", "none,hint8,dp_overlap=False", "2", "cputest",
                         "--max_iters=4", "--log_interval=1", "--pp=1", "--gradient_accumulation_steps=1",
                         "--n_layer=1", "--n_embd=32", "--n_head=2",
                         "--block_size=32", "--batch_size=2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.load(open(tmp_path / "e2e_cputest.json"))
-    assert [r["codec"] for r in res["rows"]] == ["none", "hint8"] and res["rows"][0]["speedup"] == "1.00x"
+    assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "dp_overlap=False"]    # KEY=VALUE: another knob
+    assert res["rows"][0]["speedup"] == "1.00x"
     assert res["rows"][1]["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
