@@ -123,3 +123,13 @@ def test_e2e_benchmark_runs_every_codec_in_one_invocation(tmp_path):
     assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "dp_overlap=False"]    # KEY=VALUE: another knob
     assert res["rows"][0]["speedup"] == "1.00x"
     assert res["rows"][1]["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
+
+
+def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
+    """--compile=True with TP=2 and hint8 on every TP all-reduce (the autograd Functions that
+    communicate run between compiled regions): the same losses as eager, to float tolerance."""
+    args = TINY + ["--tp=2", "--tp_codec=hint8", "--taco_min_bytes=0", "--max_iters=2", "--eval_interval=0",
+                   "--n_layer=1"]
+    run(args + [f"--out_dir={tmp_path}/eager"], nproc=2)
+    run(args + ["--compile=True", f"--out_dir={tmp_path}/compiled"], nproc=2)
+    assert losses(str(tmp_path / "compiled"))[0] == pytest.approx(losses(str(tmp_path / "eager"))[0], rel=1e-5)
