@@ -78,6 +78,9 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--dataset=nowhere"], "python data/prepare.py nowhere"),
     (["configs/missing.py"], "config file configs/missing.py not found"),
     (["--tp_emulate=2", "--taco_chunks=2"], "set tp=1 and taco_chunks=1"),
+    (["--zero1=True"], "but dp=1: launch 2 processes (dp=2) or set zero1=False"),
+    (["--zero_codec=hint4"], "set zero1=True too"),
+    (["--pp_codec=zstd"], "pp_codec='zstd' is not a codec"),
 ])
 def test_bad_config_is_refused_before_launch(args, message):
     p = run(args, check=False)
