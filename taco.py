@@ -448,8 +448,8 @@ class TahQuant:
         key = torch.where(bad, torch.iinfo(torch.int64).min, self.clogc.to(x.device)[counts].sum(-1))
         k3 = self.n_int3(T)
         int3 = torch.zeros(M, T, dtype=torch.bool, device=x.device)
-        if k3:                                                      # largest sum c log c = lowest entropy
-            order = torch.argsort(-key, dim=-1, stable=True)[:, :k3]
+        if k3:                                   # largest sum c log c = lowest entropy; bad tiles last
+            order = torch.argsort(key, dim=-1, descending=True, stable=True)[:, :k3]
             int3.scatter_(1, order, True)
         q3, lo3, step3 = self._quant(z, 7)
         q = torch.where(int3[..., None], q3, q4).to(torch.int32)
