@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel import EmulatedColumnLinear, EmulatedReduceFromTP, TPComm, enter_tp, leave_tp
+from parallel import (ColumnParallelLinearFn, EmulatedColumnLinear, EmulatedReduceFromTP, TPComm, enter_tp,
+                      leave_tp)
 
 
 @dataclass
@@ -77,6 +78,8 @@ class ColumnParallelLinear(nn.Module):
         x = autocast_input(x)
         if self.comm.emulate > 1:
             return EmulatedColumnLinear.apply(x, self.weight, self.bias, self.comm, self.parts)
+        if self.comm.size > 1 and not self.comm.sp:           # f + matmul, backward all-reduce overlapped
+            return ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.comm)   # (B, T, out/tp)
         return F.linear(enter_tp(x, self.comm), self.weight, self.bias)     # (B, T, out/tp)
 
 

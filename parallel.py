@@ -159,15 +159,16 @@ class TPComm:
         codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return "none" if x.numel() * x.element_size() < self.min_bytes else codec
 
-    def all_reduce(self, x, direction):
-        """SUM over the TP group, in place, returning x. THE single entry point for TP traffic."""
+    def all_reduce(self, x, direction, async_op=False):
+        """SUM over the TP group, in place, returning x (async_op: a handle to wait() on).
+        THE single entry point for TP all-reduces."""
         if self.size == 1:
-            return x
+            return taco.all_reduce(x, async_op=async_op) if async_op else x     # a no-op handle
         if self.capture is not None:
             self.capture.append((direction, x.detach().clone()))
         codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return taco.all_reduce(x, group=self.group, codec=codec, block_size=self.block_size,
-                               chunks=self.chunks, min_bytes=self.min_bytes, stats=self.stats)
+                               chunks=self.chunks, min_bytes=self.min_bytes, stats=self.stats, async_op=async_op)
 
 
     def reduce_scatter_seq(self, x, direction):
@@ -202,6 +203,33 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.comm.all_reduce(grad.contiguous(), "bwd"), None
+
+
+class ColumnParallelLinearFn(torch.autograd.Function):
+    """f fused with the column-parallel matmul, so that f's backward all-reduce overlaps with the
+    weight gradient (Megatron-LM's async grad-input all-reduce): y = x W^T + b, with x the
+    (replicated) input; backward: grad_x = grad_y W, START its all-reduce, compute grad_W and
+    grad_b while it is on the wire, wait, return. x arrives already in the compute dtype
+    (model.autocast_input); W and b are cast to it, as autocast would."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm):
+        w = weight.to(x.dtype)
+        b = None if bias is None else bias.to(x.dtype)
+        ctx.save_for_backward(x, w)
+        ctx.comm, ctx.dtypes = comm, (weight.dtype, None if bias is None else bias.dtype)
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        gx = gy @ w                                                     # (..., in): a partial sum
+        handle = ctx.comm.all_reduce(gx, "bwd", async_op=True)         # start f's all-reduce ...
+        gy2 = gy.reshape(-1, gy.shape[-1])
+        gw = (gy2.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[0])  # ... these matmuls run meanwhile
+        gb = None if ctx.dtypes[1] is None else gy2.sum(0).to(ctx.dtypes[1])
+        handle.wait()                                                   # gx is the full sum from here on
+        return gx, gw, gb, None
 
 
 class ReduceFromTP(torch.autograd.Function):

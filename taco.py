@@ -698,21 +698,36 @@ def emulated_all_reduce(partials, codec=DEFAULT_CODEC, block_size=256):
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Pending:
+    """What all_reduce(async_op=True) returns: wait() runs the rest of the collective (once)."""
+
+    def __init__(self, rest):
+        self.rest = rest
+
+    def wait(self):
+        if self.rest is not None:
+            self.rest()
+            self.rest = None
+        return True
+
+
 def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
-               min_bytes=DEFAULT_MIN_BYTES, stats=None):
+               min_bytes=DEFAULT_MIN_BYTES, stats=None, async_op=False):
     """In-place SUM over `group`, like torch.distributed.all_reduce, two-shot and compressed.
-    Returns x. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce."""
-    W = dist.get_world_size(group)
+    Returns x; with async_op=True a handle instead, after the first phase has been started (the
+    shards compressed and their all-to-all under way): do other work, then handle.wait(), after
+    which x holds the sum. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce."""
+    W = dist.get_world_size(group) if dist.is_initialized() else 1
     n, esize = x.numel(), x.element_size()
     logical = 2 * (W - 1) * n * esize / W
     cd = get_codec(codec, block_size)
     if W == 1:
-        return x
+        return _Pending(None) if async_op else x
     if cd is IDENTITY or n * esize < min_bytes or n == 0:
-        dist.all_reduce(x, group=group)
+        work = dist.all_reduce(x, group=group, async_op=async_op)
         if stats is not None:
             stats.add(logical, logical)
-        return x
+        return work if async_op else x
     flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
     pending, wire = [], 0
     # === reduce-scatter phase: compress every chunk's W shards, start its all-to-all ===
@@ -724,22 +739,28 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
         work = dist.all_to_all_single(recv, send, group=group, async_op=True)
         pending.append((a, b, L, work, recv))
         wire += 2 * (W - 1) * send.shape[1]
-    # === reduce my shard in fp32 (rank order), re-compress, start the all-gather ===
-    gathers = []
-    for a, b, L, work, recv in pending:
-        work.wait()                                                # orders the stream, no host sync on GPU
-        mine = cd.reduce_encode(recv, L)
-        gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
-        gathers.append((a, b, L, _all_gather_flat(gathered, mine, group=group, async_op=True),
-                        gathered.view(W, -1)))
-    # === decode all W shards, my own included, from the gathered bytes ===
-    for a, b, L, work, gathered in gathers:
-        work.wait()
-        cd.decode(gathered, L, b - a, out=flat[a:b])
-    if not x.is_contiguous():
-        x.copy_(flat.view_as(x))
     if stats is not None:
         stats.add(wire, logical)
+
+    def rest():
+        # === reduce my shard in fp32 (rank order), re-compress, start the all-gather ===
+        gathers = []
+        for a, b, L, work, recv in pending:
+            work.wait()                                            # orders the stream, no host sync on GPU
+            mine = cd.reduce_encode(recv, L)
+            gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
+            gathers.append((a, b, L, _all_gather_flat(gathered, mine, group=group, async_op=True),
+                            gathered.view(W, -1)))
+        # === decode all W shards, my own included, from the gathered bytes ===
+        for a, b, L, work, gathered in gathers:
+            work.wait()
+            cd.decode(gathered, L, b - a, out=flat[a:b])
+        if not x.is_contiguous():
+            x.copy_(flat.view_as(x))
+
+    if async_op:
+        return _Pending(rest)
+    rest()
     return x
 
 

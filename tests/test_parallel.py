@@ -6,6 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import parallel
+import taco
 from launcher import run_ranks
 from model import (GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelCrossEntropy)
 
@@ -244,3 +245,48 @@ def test_overlapped_dp_sync_starts_buckets_during_backward():
         assert nbuckets >= 3 and launched == [0, nbuckets]
         for i, g in enumerate(avg):
             torch.testing.assert_close(g, (out[0][2][i] + out[1][2][i]) / 2)
+
+
+def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradient():
+    """ColumnParallelLinearFn: grad_x's all-reduce is STARTED (async) before grad_W and grad_b are
+    computed and waited on before returning; gradients equal nn.functional.linear's autograd."""
+    events = []
+
+    class Handle:
+        def wait(self):
+            events.append("wait")
+
+    class Comm:
+        def all_reduce(self, x, direction, async_op=False):
+            assert direction == "bwd" and async_op
+            events.append("start")
+            x.mul_(2)                                    # a stand-in "sum over 2 identical ranks"
+            return Handle()
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, generator=g, requires_grad=True)
+    w = torch.randn(6, 8, generator=g, requires_grad=True)
+    b = torch.randn(6, generator=g, requires_grad=True)
+    gy = torch.randn(3, 5, 6, generator=g)
+    parallel.ColumnParallelLinearFn.apply(x, w, b, Comm()).backward(gy)
+    ours = (x.grad, w.grad, b.grad)
+    x.grad = w.grad = b.grad = None
+    F.linear(x, w, b).backward(gy)
+    assert events == ["start", "wait"]
+    torch.testing.assert_close(ours[0], 2 * x.grad)
+    torch.testing.assert_close(ours[1], w.grad)
+    torch.testing.assert_close(ours[2], b.grad)
+
+
+def _async_all_reduce(rank, world):
+    x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+    h = taco.all_reduce(x, codec="hint8", async_op=True)
+    h.wait()
+    h.wait()                                             # a second wait is a no-op
+    y = torch.arange(1000, dtype=torch.float32) * (rank + 1)
+    return x, taco.all_reduce(y, codec="hint8")
+
+
+def test_async_all_reduce_equals_the_blocking_one():
+    for a, b in run_ranks(_async_all_reduce, 2):
+        assert torch.equal(a, b)
