@@ -316,6 +316,9 @@ class GPT(nn.Module):
         if self.comm.emulate > 1:
             x = x if targets is not None else x[:, -1:, :]
             logits = EmulatedColumnLinear.apply(x, self.wte.weight, None, self.comm, 1)
+        elif self.comm.size > 1 and not self.comm.sp:       # f + the head's matmul, backward overlapped
+            x = x if targets is not None else x[:, -1:, :]
+            logits = ColumnParallelLinearFn.apply(x, self.wte.weight, None, self.comm)   # (B, T, V/tp) tied head
         else:
             x = enter_tp(x, self.comm)                                         # SP: gathered to (B, T, C)
             x = x if targets is not None else x[:, -1:, :]
