@@ -413,10 +413,24 @@ class TahQuant:
     def n_int3(self, T):
         return int(self.int3_share * T)
 
+    def payload_bytes(self, T):
+        """Code bytes of a message of T tiles: 32 per INT4 tile, 24 per INT3 tile."""
+        k3 = self.n_int3(T)
+        return (T - k3) * self.B // 2 + k3 * self.B * 3 // 8
+
     def nbytes(self, L):
         T = L // self.B
-        k3 = self.n_int3(T)
-        return cdiv(9 * T + (T - k3) * self.B // 2 + k3 * self.B * 3 // 8, 16) * 16
+        return cdiv(9 * T + self.payload_bytes(T), 16) * 16
+
+    def _offsets(self, int3, P):
+        """(M, T) byte offset of every tile's codes in the (M * P) payload, tiles in order."""
+        size = torch.where(int3, self.B * 3 // 8, self.B // 2)
+        return torch.cumsum(size, dim=1) - size + torch.arange(int3.shape[0], device=int3.device)[:, None] * P
+
+    def _swap(self, piv):
+        """(M, T, G) gather indices that exchange element 0 and element piv of every tile (an involution)."""
+        idx = torch.arange(self.B, device=piv.device).expand(*piv.shape, self.B)
+        return torch.where(idx == 0, piv[..., None], torch.where(idx == piv[..., None], 0, idx))
 
     def _quant(self, z, levels):
         """Asymmetric per-tile quantization of z (..., 64) to [0, levels]: (q, lo, step)."""
@@ -438,8 +452,7 @@ class TahQuant:
         peak = g.abs().amax(dim=-1)
         r = g / torch.where(peak > 0, peak, torch.ones_like(peak))[..., None]     # scale-free: no overflow
         had = (self.kappa ** 2 * (r * r).mean(dim=-1) < 1) & ~bad
-        idx = torch.arange(G, device=x.device).expand(M, T, G)
-        perm = torch.where(idx == 0, piv[..., None], torch.where(idx == piv[..., None], 0, idx))
+        perm = self._swap(piv)
         z = torch.where(had[..., None], fwht(torch.gather(g, -1, perm) * self.c), g)   # 1/8 first: exact, and no overflow
         # === 2-3. INT4 everywhere, then the lowest-entropy share of tiles at INT3 ===
         q4, lo, step = self._quant(z, 15)
@@ -458,11 +471,10 @@ class TahQuant:
         meta = torch.stack((torch.where(bad, nan, lo), torch.where(bad, nan, step)), dim=-1)
         flags = (int3.int() << 7) | (had.int() << 6) | torch.where(had, piv, 0).int()
         # === pack: every tile's bytes at its offset in the message's payload ===
-        size = torch.where(int3, G * 3 // 8, G // 2)
-        off = torch.cumsum(size, dim=1) - size + torch.arange(M, device=x.device)[:, None] * (
-            (T - k3) * G // 2 + k3 * G * 3 // 8)
-        payload = torch.zeros(M * ((T - k3) * G // 2 + k3 * G * 3 // 8), dtype=torch.uint8, device=x.device)
-        for mask, nb, pack in ((~int3, G // 2, _pack_u4), (int3, G * 3 // 8, _pack_u3)):
+        P = self.payload_bytes(T)
+        off = self._offsets(int3, P)
+        payload = torch.zeros(M * P, dtype=torch.uint8, device=x.device)
+        for mask, nb, pack in ((~int3, G // 2, pack_int4), (int3, G * 3 // 8, _pack_u3)):
             if mask.any():
                 pos = off[mask][:, None] + torch.arange(nb, device=x.device)
                 payload[pos.reshape(-1)] = pack(q[mask]).reshape(-1)
@@ -473,22 +485,19 @@ class TahQuant:
 
     def _decode_ref(self, buf, L):
         M, T, G = buf.shape[0], L // self.B, self.B
-        k3 = self.n_int3(T)
-        P = (T - k3) * G // 2 + k3 * G * 3 // 8
+        P = self.payload_bytes(T)
         meta = buf[:, :8 * T].contiguous().view(torch.float32).view(M, T, 2)
         flags = buf[:, 8 * T:9 * T].int()
         payload = buf[:, 9 * T:9 * T + P].reshape(-1)
         int3, had, piv = (flags >> 7) & 1 == 1, (flags >> 6) & 1 == 1, (flags & 63).long()
-        size = torch.where(int3, G * 3 // 8, G // 2)
-        off = torch.cumsum(size, dim=1) - size + torch.arange(M, device=buf.device)[:, None] * P
+        off = self._offsets(int3, P)
         q = torch.zeros(M, T, G, dtype=torch.float32, device=buf.device)
-        for mask, nb, unpack in ((~int3, G // 2, _unpack_u4), (int3, G * 3 // 8, _unpack_u3)):
+        for mask, nb, unpack in ((~int3, G // 2, lambda b: unpack_int4(b) & 15), (int3, G * 3 // 8, _unpack_u3)):
             if mask.any():
                 pos = off[mask][:, None] + torch.arange(nb, device=buf.device)
                 q[mask] = unpack(payload[pos]).float()
         z = q * meta[..., 1:] + meta[..., :1]
-        idx = torch.arange(G, device=buf.device).expand(M, T, G)
-        perm = torch.where(idx == 0, piv[..., None], torch.where(idx == piv[..., None], 0, idx))
+        perm = self._swap(piv)
         y = torch.where(had[..., None], torch.gather(fwht(z * self.c), -1, perm), z)
         return y.reshape(M, L)
 
@@ -501,17 +510,6 @@ class TahQuant:
         return self.encode(rank_order_sum(self._decode_ref(buf, L)).reshape(-1), 1, L)[0]
 
     compress, decompress, roundtrip = Codec.compress, Codec.decompress, Codec.roundtrip
-
-
-def _pack_u4(q):
-    """(..., 2k) codes in [0, 15] -> (..., k) bytes, the first code in the low nibble."""
-    u = q.reshape(*q.shape[:-1], -1, 2)
-    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8)
-
-
-def _unpack_u4(b):
-    t = b.to(torch.int32)
-    return torch.stack((t & 15, t >> 4), dim=-1).reshape(*b.shape[:-1], -1)
 
 
 def _pack_u3(q):
