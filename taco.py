@@ -404,6 +404,10 @@ class TahQuant:
         c = torch.arange(tile + 1, dtype=torch.float64)
         self.clogc = torch.round(torch.where(c > 0, c * torch.log2(c.clamp(min=1)), c) * 2 ** 20).long()
 
+    @functools.lru_cache(maxsize=None)
+    def _clogc(self, device):
+        return self.clogc.to(device)
+
     def __repr__(self):
         return f"TahQuant(tile={self.B}, int3_share={self.int3_share})"
 
@@ -422,15 +426,22 @@ class TahQuant:
         T = L // self.B
         return cdiv(9 * T + self.payload_bytes(T), 16) * 16
 
-    def _offsets(self, int3, P):
-        """(M, T) byte offset of every tile's codes in the (M * P) payload, tiles in order."""
-        size = torch.where(int3, self.B * 3 // 8, self.B // 2)
-        return torch.cumsum(size, dim=1) - size + torch.arange(int3.shape[0], device=int3.device)[:, None] * P
+    def _swap(self, g, piv):
+        """g (M, T, G) with element 0 and element piv of every tile exchanged (an involution)."""
+        piv = piv[..., None]
+        out = g.clone()
+        out.scatter_(-1, piv, g[..., :1])                          # piv == 0: both writes put back g[0]
+        out[..., :1] = torch.gather(g, -1, piv)
+        return out
 
-    def _swap(self, piv):
-        """(M, T, G) gather indices that exchange element 0 and element piv of every tile (an involution)."""
-        idx = torch.arange(self.B, device=piv.device).expand(*piv.shape, self.B)
-        return torch.where(idx == 0, piv[..., None], torch.where(idx == piv[..., None], 0, idx))
+    def _positions(self, int3, P):
+        """(M, T, G/2) payload index of every tile's code bytes; the 8 bytes an INT3 tile does not use
+        point at the spare byte M * P (past the payload). No data-dependent shapes, no host syncs."""
+        M, T = int3.shape
+        size = torch.where(int3, self.B * 3 // 8, self.B // 2)
+        off = torch.cumsum(size, dim=1) - size + torch.arange(M, device=int3.device)[:, None] * P
+        j = torch.arange(self.B // 2, device=int3.device)
+        return torch.where(j < size[..., None], off[..., None] + j, M * P)
 
     def _quant(self, z, levels):
         """Asymmetric per-tile quantization of z (..., 64) to [0, levels]: (q, lo, step)."""
@@ -452,13 +463,12 @@ class TahQuant:
         peak = g.abs().amax(dim=-1)
         r = g / torch.where(peak > 0, peak, torch.ones_like(peak))[..., None]     # scale-free: no overflow
         had = (self.kappa ** 2 * (r * r).mean(dim=-1) < 1) & ~bad
-        perm = self._swap(piv)
-        z = torch.where(had[..., None], fwht(torch.gather(g, -1, perm) * self.c), g)   # 1/8 first: exact, and no overflow
+        z = torch.where(had[..., None], fwht(self._swap(g, piv) * self.c), g)   # 1/8 first: exact, and no overflow
         # === 2-3. INT4 everywhere, then the lowest-entropy share of tiles at INT3 ===
         q4, lo, step = self._quant(z, 15)
-        counts = torch.zeros(M, T, 16, dtype=torch.int64, device=x.device).scatter_add_(
-            -1, q4.long(), torch.ones_like(q4, dtype=torch.int64))            # (M, T, 16) code histogram
-        key = torch.where(bad, torch.iinfo(torch.int64).min, self.clogc.to(x.device)[counts].sum(-1))
+        counts = torch.zeros(M, T, 16, dtype=torch.int32, device=x.device).scatter_add_(
+            -1, q4.long(), torch.ones_like(q4, dtype=torch.int32))            # (M, T, 16) code histogram
+        key = torch.where(bad, torch.iinfo(torch.int64).min, self._clogc(x.device)[counts.long()].sum(-1))
         k3 = self.n_int3(T)
         int3 = torch.zeros(M, T, dtype=torch.bool, device=x.device)
         if k3:                                   # largest sum c log c = lowest entropy; bad tiles last
@@ -470,14 +480,13 @@ class TahQuant:
         nan = torch.tensor(float("nan"), device=x.device)
         meta = torch.stack((torch.where(bad, nan, lo), torch.where(bad, nan, step)), dim=-1)
         flags = (int3.int() << 7) | (had.int() << 6) | torch.where(had, piv, 0).int()
-        # === pack: every tile's bytes at its offset in the message's payload ===
+        # === pack: every tile's bytes at its offset in the message's payload (INT3 tiles use 24 of 32) ===
         P = self.payload_bytes(T)
-        off = self._offsets(int3, P)
-        payload = torch.zeros(M * P, dtype=torch.uint8, device=x.device)
-        for mask, nb, pack in ((~int3, G // 2, pack_int4), (int3, G * 3 // 8, _pack_u3)):
-            if mask.any():
-                pos = off[mask][:, None] + torch.arange(nb, device=x.device)
-                payload[pos.reshape(-1)] = pack(q[mask]).reshape(-1)
+        q3 = torch.nn.functional.pad(_pack_u3(q & 7), (0, G // 8))
+        codes = torch.where(int3[..., None], q3, pack_int4(q))
+        payload = torch.zeros(M * P + 1, dtype=torch.uint8, device=x.device)
+        payload[self._positions(int3, P)] = codes             # only the spare byte is written twice
+        payload = payload[:-1]
         out = torch.cat((meta.reshape(M, -1).contiguous().view(torch.uint8), flags.to(torch.uint8),
                          payload.view(M, -1)), dim=1)
         pad = self.nbytes(L) - out.shape[1]
@@ -490,15 +499,10 @@ class TahQuant:
         flags = buf[:, 8 * T:9 * T].int()
         payload = buf[:, 9 * T:9 * T + P].reshape(-1)
         int3, had, piv = (flags >> 7) & 1 == 1, (flags >> 6) & 1 == 1, (flags & 63).long()
-        off = self._offsets(int3, P)
-        q = torch.zeros(M, T, G, dtype=torch.float32, device=buf.device)
-        for mask, nb, unpack in ((~int3, G // 2, lambda b: unpack_int4(b) & 15), (int3, G * 3 // 8, _unpack_u3)):
-            if mask.any():
-                pos = off[mask][:, None] + torch.arange(nb, device=buf.device)
-                q[mask] = unpack(payload[pos]).float()
+        codes = torch.cat((payload, payload.new_zeros(1)))[self._positions(int3, P)]     # (M, T, G/2)
+        q = torch.where(int3[..., None], _unpack_u3(codes[..., :G * 3 // 8]), unpack_int4(codes) & 15).float()
         z = q * meta[..., 1:] + meta[..., :1]
-        perm = self._swap(piv)
-        y = torch.where(had[..., None], torch.gather(fwht(z * self.c), -1, perm), z)
+        y = torch.where(had[..., None], self._swap(fwht(z * self.c), piv), z)
         return y.reshape(M, L)
 
     def decode(self, buf, L, n=None, dtype=torch.float32, out=None):
