@@ -49,11 +49,11 @@ def save(name, rows, **extra):
 
 
 def table(rows, cols):
-    widths = [max(len(c), *(len(f"{r[c]}") for r in rows)) for c in cols]
+    widths = [max(len(c), *(len(f"{r.get(c, '-')}") for r in rows)) for c in cols]
     print(" | ".join(c.rjust(w) for c, w in zip(cols, widths)))
     print("-+-".join("-" * w for w in widths))
     for r in rows:
-        print(" | ".join(f"{r[c]}".rjust(w) for c, w in zip(cols, widths)))
+        print(" | ".join(f"{r.get(c, '-')}".rjust(w) for c, w in zip(cols, widths)))
 
 
 # -----------------------------------------------------------------------------
@@ -230,14 +230,23 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
 
 
 def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
-    """taco.all_reduce vs torch.distributed.all_reduce (NCCL, bf16), same run. Run under torchrun.
-    algbw on LOGICAL bytes (the bf16 tensor), nccl-tests convention."""
+    """taco.all_reduce vs torch.distributed.all_reduce (NCCL, bf16) and, when the GPUs are peers
+    (no NCCL_P2P_DISABLE), vs PyTorch's symmetric-memory bf16 two-shot, same run. Run under
+    torchrun. Our all-reduce on both transports: "dist" (NCCL all_to_all + all_gather) and "symm"
+    (peer reads from symmetric memory), the latter also replayed from a CUDA graph (no host
+    overhead). algbw on LOGICAL bytes (the bf16 tensor), nccl-tests convention."""
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     taco.load_kernels()
-    variants = [("nccl bf16", "none", 1), ("hint8", "hint8", 1), ("hint8", "hint8", 2), ("hint8", "hint8", 4),
-                ("taco", "taco", 1), ("taco", "taco", 2), ("hint6", "hint6", 2)]
+    peers = os.environ.get("NCCL_P2P_DISABLE", "0") in ("", "0")
+    group_name = dist.group.WORLD.group_name
+    variants = [("nccl bf16", "none", "dist", 1), ("hint8", "hint8", "dist", 1), ("hint8", "hint8", "dist", 2),
+                ("taco", "taco", "dist", 1), ("hint6", "hint6", "dist", 1)]
+    if peers:
+        variants = variants[:1] + [("symm bf16 two-shot", "none", "torch-symm", 1)] + variants[1:] + [
+            ("hint8", "hint8", "symm", 1), ("taco", "taco", "symm", 1), ("hint6", "hint6", "symm", 1),
+            ("hint8", "hint8", "symm-graph", 1), ("hint6", "hint6", "symm-graph", 1)]
     rows = []
     for mb in sizes_mb:
         n = mb * 2 ** 20 // 2
@@ -246,79 +255,134 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
         x = torch.empty_like(src)
         exact = src.float()
         dist.all_reduce(exact)
-        t_nccl = None
-        for label, codec, chunks in variants:
-            run = (lambda: dist.all_reduce(x)) if codec == "none" else \
-                  (lambda: taco.all_reduce(x, codec=codec, chunks=chunks))
-            x.copy_(src)
+        t_ref = {}
+        for label, codec, transport, chunks in variants:
+            target = x
+            if transport == "torch-symm":                    # the input must live in symmetric memory
+                import torch.distributed._symmetric_memory as symm_mem
+                target = symm_mem.empty(n, dtype=torch.bfloat16, device="cuda")
+                symm_mem.rendezvous(target, group_name)
+                run = lambda: torch.ops.symm_mem.two_shot_all_reduce_(target, "sum", group_name)
+            elif codec == "none":
+                run = lambda: dist.all_reduce(x)
+            else:
+                run = (lambda: taco.all_reduce(x, codec=codec, chunks=chunks,
+                                               transport=transport.replace("-graph", "")))
+            target.copy_(src)
             run()
+            if transport == "symm-graph":                    # captured once (after the warm-up call above)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                run = graph.replay
+                target.copy_(src)
+                run()
             # every rank must hold the same bits, and the result must be close to the exact sum
-            h = torch.stack([x.view(torch.int16).long().sum(), (x.view(torch.int16).long() * 31).remainder(65521).sum()])
+            h = torch.stack([target.view(torch.int16).long().sum(),
+                             (target.view(torch.int16).long() * 31).remainder(65521).sum()])
             hs = [torch.empty_like(h) for _ in range(world)]
             dist.all_gather(hs, h)
             identical = all(torch.equal(hs[0], o) for o in hs)
-            err = ((x.float() - exact).norm() / exact.norm()).item()
+            err = ((target.float() - exact).norm() / exact.norm()).item()
             dist.barrier()
-            t = cuda_time(run, iters=20, warmup=3, before=lambda: x.copy_(src))
+            t = cuda_time(run, iters=20, warmup=3, before=lambda: target.copy_(src))
             t = torch.tensor(t, device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)             # the slowest rank's median
             t = t.item()
-            t_nccl = t if codec == "none" else t_nccl
-            rows.append({"MB": mb, "variant": label, "chunks": chunks, "us": f"{t:.0f}",
-                         "host us": f"{host_time(run, lambda: x.copy_(src)):.0f}",
-                         "algbw GB/s": f"{2 * n / t / 1e3:.0f}", "vs nccl": f"{t_nccl / t:.2f}x",
+            t_ref.setdefault(label, t)
+            rows.append({"MB": mb, "variant": label, "transport": transport, "chunks": chunks, "us": f"{t:.0f}",
+                         "host us": f"{host_time(run, lambda: target.copy_(src)):.0f}",
+                         "algbw GB/s": f"{2 * n / t / 1e3:.0f}", "t": t,
                          "rel err": f"{err:.1e}", "identical": "yes" if identical else "NO"})
+            del target
         # the two NCCL primitives the compressed all-reduce is made of, on hint8's byte counts
         S = taco.get_codec("hint8").nbytes(taco.get_codec("hint8").padded(-(-n // world)))
         send, recv = torch.zeros(world * S, dtype=torch.uint8, device="cuda"), torch.empty(world * S, dtype=torch.uint8, device="cuda")
         for label, fn in (("nccl all_to_all u8", lambda: dist.all_to_all_single(recv, send)),
                           ("nccl all_gather u8", lambda: taco._all_gather_flat(recv, send[:S]))):
             t = cuda_time(fn, iters=20, warmup=3)
-            rows.append({"MB": mb, "variant": label, "chunks": 1, "us": f"{t:.0f}", "host us": f"{host_time(fn):.0f}",
-                         "algbw GB/s": "-", "vs nccl": f"{t_nccl / t:.2f}x", "rel err": "-", "identical": "-"})
+            rows.append({"MB": mb, "variant": label, "transport": "dist", "chunks": 1, "us": f"{t:.0f}",
+                         "host us": f"{host_time(fn):.0f}", "algbw GB/s": "-", "t": t, "rel err": "-",
+                         "identical": "-"})
+        for r in rows:                                       # speedups against this size's two baselines
+            if r["MB"] == mb and "t" in r:
+                t = r.pop("t")
+                r["vs nccl"] = f"{t_ref['nccl bf16'] / t:.2f}x"
+                r["vs symm bf16"] = f"{t_ref['symm bf16 two-shot'] / t:.2f}x" if peers and "u8" not in r["variant"] else "-"
+        torch.cuda.synchronize()
     if rank == 0:
         save(f"collective_{tag}", rows, world=world, tag=tag,
-             env_vars={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE")})
-        print(f"\ncompressed all-reduce vs NCCL bf16, {world} GPUs, {tag}:")
-        table(rows, ["MB", "variant", "chunks", "us", "host us", "algbw GB/s", "vs nccl", "rel err", "identical"])
+             env_vars={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE",
+                                                      "TORCH_SYMM_MEM_DISABLE_MULTICAST")})
+        print(f"\ncompressed all-reduce vs NCCL bf16 and symmetric-memory bf16, {world} GPUs, {tag}:")
+        table(rows, ["MB", "variant", "transport", "chunks", "us", "host us", "algbw GB/s", "vs nccl", "vs symm bf16",
+                     "rel err", "identical"])
     dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
 # end-to-end training throughput: the same config with each codec, one invocation
 
-def bench_e2e(config, codecs, nproc, extra, tag="e2e"):
+def bench_e2e(config, codecs, nproc, extra, tag="e2e", profile_steps=5):
     """Train `config` for a few steps once per TP codec (torchrun, nproc ranks), in this one
     invocation, and compare step time, tokens/s and MFU with the uncompressed run (the first codec
-    should be none). An entry KEY=VALUE sets another train.py knob instead (e.g. pp_codec=hint8). Steps before the second log line (warm-up, JIT) are not timed: the figures are
-    the mean of the later log lines' per-step times."""
+    should be none). An entry KEY=VALUE sets another train.py knob instead (e.g. pp_codec=hint8);
+    KEY=VALUE/KEY=VALUE sets several. Steps before the second log line (warm-up, JIT, compile)
+    are not timed: the figures are the mean of the later log lines' per-step times. On a GPU the
+    last `profile_steps` steps are profiled (train.py --profile_steps: kernel time per step by
+    kind) and left out of the timing."""
     import subprocess
     rows = []
     for codec in codecs:
-        out = os.path.join("out", f"{tag}_{codec.replace('=', '-')}")
-        setting = f"--{codec}" if "=" in codec else f"--tp_codec={codec}"    # "pp_codec=hint8": another knob
+        out = os.path.join("out", f"{tag}_{codec.replace('=', '-').replace('/', '_')}")
+        settings = ([f"--{kv}" for kv in codec.split("/")] if "=" in codec else [f"--tp_codec={codec}"])
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py", config,
-               setting, "--eval_interval=0", "--sample_tokens=0", "--progress=False",
-               "--ckpt_interval=-1", *extra, f"--out_dir={out}"]
+               *settings, "--eval_interval=0", "--sample_tokens=0", "--progress=False",
+               "--ckpt_interval=-1", f"--profile_steps={profile_steps}", *extra, f"--out_dir={out}"]
         print(" ".join(cmd), flush=True)
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise SystemExit(f"{codec}: train.py failed\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-        logs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"ms"' in line][1:]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("E2E_TIMEOUT", 900)))
+        except subprocess.TimeoutExpired as e:                   # e.g. a hung collective: say so, go on
+            p = subprocess.CompletedProcess(cmd, 124, (e.stdout or b"").decode(errors="replace"),
+                                            (e.stderr or b"").decode(errors="replace") + "\nTIMEOUT")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "output.txt"), "w") as f:
+            f.write(p.stdout + "\n" + p.stderr)
+        if p.returncode != 0:                    # report the first rank's traceback, go on with the next entry
+            lines = (p.stdout + "\n" + p.stderr).splitlines()
+            first = next((i for i, l in enumerate(lines) if "Traceback" in l), max(0, len(lines) - 40))
+            print(f"{codec}: train.py FAILED (exit {p.returncode}); {out}/output.txt has everything:\n"
+                  + "\n".join(lines[first:first + 40]), flush=True)
+            rows.append({"codec": codec, "ms/step": None, "failed": True})
+            continue
+        logs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"ms"' in line]
+        prof_path = os.path.join(out, "profile.json")
+        prof = json.load(open(prof_path)) if os.path.exists(prof_path) else None
+        if prof:                                             # the profiled steps are not timed
+            logs = [r for r in logs if r["iter"] <= logs[-1]["iter"] - prof["steps"]]
+        logs = logs[1:]
         if not logs:
             raise SystemExit(f"{codec}: too few steps to time; raise --max_iters or lower --log_interval")
         ms = sum(r["ms"] for r in logs) / len(logs)
         mfu = [r["mfu"] for r in logs if r.get("mfu") is not None]
+        k = prof["kernel_ms_per_step"] if prof else {}
         rows.append({"codec": codec, "ms/step": round(ms, 2), "tok/s": round(logs[-1]["tok_s"]),
                      "MFU %": round(sum(mfu) / len(mfu), 1) if mfu else "-",
+                     "compute ms": round(k.get("compute", 0), 1) if prof else "-",
+                     "comm ms": round(sum(v for n, v in k.items() if n.startswith("comm")), 1) if prof else "-",
+                     "codec ms": round(k.get("codec kernels", 0), 1) if prof else "-",
                      "tp wire MiB/step": round(logs[-1]["tp_wire_bytes"] / 2 ** 20, 2),
-                     "loss": round(logs[-1]["loss"], 4)})
+                     "loss": round(logs[-1]["loss"], 4), "profile": prof})
     base = rows[0]["ms/step"]
     for r in rows:
-        r["speedup"] = f"{base / r['ms/step']:.2f}x"
+        r["speedup"] = f"{base / r['ms/step']:.2f}x" if base and r["ms/step"] else "FAILED"
     save(f"e2e_{tag}", rows, config=config, nproc=nproc, extra=extra,
-         note="mean step time over the log lines after the first; speedup = first codec's ms / this codec's ms")
-    table(rows, ["codec", "ms/step", "speedup", "tok/s", "MFU %", "tp wire MiB/step", "loss"])
+         note="mean step time over the log lines after the first (profiled steps excluded); speedup = first "
+              "entry's ms / this entry's ms; compute/comm/codec ms = GPU kernel time per step by kind in the "
+              "profiled steps (streams overlap, so they need not add up to the step)")
+    table(rows, ["codec", "ms/step", "speedup", "tok/s", "MFU %", "compute ms", "comm ms", "codec ms",
+                 "tp wire MiB/step", "loss"])
 
 
 # -----------------------------------------------------------------------------
@@ -327,7 +391,8 @@ def bench_e2e(config, codecs, nproc, extra, tag="e2e"):
 def interp_us(rows, variant, mb):
     """All-reduce time (us) of `variant` (chunks=1) at `mb` MB: log-log interpolation between
     the two measured sizes around it (results/collective_*.json)."""
-    pts = sorted((r["MB"], float(r["us"])) for r in rows if r["variant"] == variant and r["chunks"] == 1)
+    pts = sorted((r["MB"], float(r["us"])) for r in rows
+                 if r["variant"] == variant and r["chunks"] == 1 and r.get("transport", "dist") == "dist")
     (m0, t0), (m1, t1) = next(((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= mb <= b[0]), pts[-2:])
     return t0 * (t1 / t0) ** (math.log(mb / m0) / math.log(m1 / m0))
 
@@ -401,7 +466,9 @@ def bench_study(groups, extra, jobs=1):
     root = next((a.split("=", 1)[1] for a in extra if a.startswith("--out_dir=")), os.path.join("out", "study"))
     extra = [a for a in extra if not a.startswith("--out_dir=")]
     done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
-    gpus = list(range(torch.cuda.device_count()))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")              # keep the caller's choice of GPUs
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = gpus if torch.cuda.device_count() else []
     todo = []
     for codec, block, t, seed in study_runs(groups):
         key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
@@ -445,7 +512,7 @@ def bench_study(groups, extra, jobs=1):
                f"--tp_emulate={t}", f"--seed={seed}", *extra, f"--out_dir={out}"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpus[i % len(gpus)])
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
         print(" ".join(cmd), flush=True)
         log = open(os.path.join(out, "stdout.txt"), "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)

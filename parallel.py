@@ -153,6 +153,7 @@ class TPComm:
     capture: list = None         # if a list: (direction, copy of x) of every call is appended
     emulate: int = 1             # > 1 (with size 1): compute as a TP=emulate group would (see below)
     sp: bool = False             # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
+    transport: str = "auto"      # taco.symm_workspace: auto | dist (NCCL, gloo) | symm (symmetric memory)
 
     def codec_for(self, x, direction):
         """The codec a real TP all-reduce of x would use (min_bytes applies, as in taco.all_reduce)."""
@@ -168,7 +169,8 @@ class TPComm:
             self.capture.append((direction, x.detach().clone()))
         codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return taco.all_reduce(x, group=self.group, codec=codec, block_size=self.block_size,
-                               chunks=self.chunks, min_bytes=self.min_bytes, stats=self.stats, async_op=async_op)
+                               chunks=self.chunks, min_bytes=self.min_bytes, stats=self.stats, async_op=async_op,
+                               transport=self.transport)
 
 
     def reduce_scatter_seq(self, x, direction):
@@ -176,7 +178,7 @@ class TPComm:
         B, T, C = x.shape
         flat = x.transpose(0, 1).contiguous().view(-1)            # (T, B, C): slices are contiguous
         out = taco.reduce_scatter(flat, group=self.group, codec=self.codec_for(x, direction),
-                                  block_size=self.block_size, stats=self.stats)
+                                  block_size=self.block_size, stats=self.stats, transport=self.transport)
         return out.view(T // self.size, B, C).transpose(0, 1).contiguous()
 
     def all_gather_seq(self, x, direction):
@@ -184,7 +186,7 @@ class TPComm:
         B, t, C = x.shape
         flat = x.transpose(0, 1).contiguous().view(-1)
         out = taco.all_gather(flat, group=self.group, codec=self.codec_for(x, direction),
-                              block_size=self.block_size, stats=self.stats)
+                              block_size=self.block_size, stats=self.stats, transport=self.transport)
         return out.view(t * self.size, B, C).transpose(0, 1).contiguous()
 
 

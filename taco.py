@@ -598,8 +598,8 @@ class _Kernels:
               L, cd.nbytes(L)]
         return ip, [cd.tau, cd.eps, cd.c, QMAX[sp.fmt]]
 
-    def encode(self, cd, x, M, L):
-        return self.ext.encode(x.contiguous(), M, *self.params(cd, L))
+    def encode(self, cd, x, M, L, into=None):
+        return self.ext.encode(x.contiguous(), M, *self.params(cd, L), into)
 
     def decode(self, cd, buf, L, n, dtype, out=None):
         target = out if out is not None and out.is_contiguous() else torch.empty(n, dtype=dtype, device=buf.device)
@@ -611,6 +611,13 @@ class _Kernels:
 
     def reduce_encode(self, cd, buf, L):
         return self.ext.reduce_encode(buf.contiguous(), *self.params(cd, L))
+
+    # messages at raw device addresses (the peers' symmetric memory): results into `out`
+    def decode_peers(self, cd, ptrs, L, out):
+        return self.ext.decode_peers(ptrs, out, *self.params(cd, L))
+
+    def reduce_encode_peers(self, cd, ptrs, L, out):
+        return self.ext.reduce_encode_peers(ptrs, out, *self.params(cd, L))
 
 
 def load_kernels(verbose=False):
@@ -713,12 +720,147 @@ class _Pending:
         return True
 
 
+# -----------------------------------------------------------------------------
+# the symmetric-memory transport: inside one node, the shards go peer to peer, not through NCCL
+
+class _SymmWorkspace:
+    """A buffer in PyTorch's symmetric memory, one per (group, device), mapped by every rank of
+    the group: a kernel on rank r reads rank q's compressed shard straight from q's GPU over
+    NVLink, so a collective is three kernels and two barriers, no NCCL call, no staging copy.
+
+    Layout: [ A: W messages | B: 1 message ]. Order of one call (all on this workspace's stream):
+      all_reduce:                  write my A; barrier; reduce every peer's A[me] into my B;
+                                   barrier; decode every peer's B (all W shards, mine included)
+      reduce_scatter, all_gather:  write my A; barrier; read the peers' A; barrier
+    Why no call can overwrite what a peer still reads: every read of an A comes before a barrier
+    that its owner passes before writing A again; B is written only after the call's first
+    barrier, which a peer reaches only after it finished reading the previous B. symm_mem's
+    barrier consumes its signals (put: 0 -> 1 on the peer, wait: 1 -> 0 on mine), so a stale
+    flag from an earlier call cannot satisfy a later one, also when a CUDA graph replays it.
+    Growing the buffer is collective (every rank makes the same calls with the same sizes) and
+    cannot happen inside a CUDA-graph capture: run the collective once before capturing. Old
+    buffers are kept (a peer may still read them); sizes double, so that costs < 2x."""
+
+    def __init__(self, group, device):
+        self.group, self.device = group, device
+        self.group_name = (group or dist.group.WORLD).group_name
+        self.W, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self.stream = torch.cuda.Stream(device)
+        self.buf, self.hdl, self.ptrs, self.retired = None, None, [], []
+
+    def reserve(self, nbytes):
+        if self.buf is not None and self.buf.numel() >= nbytes:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("taco: the symmetric-memory buffer must grow, which cannot be captured in a "
+                               "CUDA graph: run the collective once with the same sizes before capturing")
+        import warnings
+        import torch.distributed._symmetric_memory as symm_mem
+        with warnings.catch_warnings():                  # needed by older torch, a deprecated no-op in newer
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        size = max(nbytes, 2 * (0 if self.buf is None else self.buf.numel()), 1 << 20)
+        if self.buf is not None:
+            self.retired.append((self.buf, self.hdl))
+        self.buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        self.hdl = symm_mem.rendezvous(self.buf, self.group_name)
+        self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
+
+    @torch.compiler.disable            # streams and raw addresses: run eagerly, also inside torch.compile
+    def run(self, fn, async_op, then=None):
+        """fn() on this workspace's stream, ordered after the caller's stream; the caller's stream
+        waits for it now, or at handle.wait() (async_op: other work meanwhile, e.g. the weight-
+        gradient matmuls), and then runs then()."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)                       # the input is ready
+        with torch.cuda.stream(self.stream):
+            fn()
+
+        def done():
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            if then is not None:
+                then()
+        if async_op:
+            return _Pending(done)
+        done()
+
+    def all_reduce(self, flat, cd, stats, async_op, then=None):
+        W, me, K = self.W, self.me, _kernels()
+        L = cd.padded(cdiv(flat.numel(), W))
+        S = cd.nbytes(L)
+        self.reserve((W + 1) * S)
+
+        def fn():
+            K.encode(cd, flat, W, L, into=self.buf[:W * S])              # my A: message q is for rank q
+            self.hdl.barrier(channel=0)
+            K.reduce_encode_peers(cd, [p + me * S for p in self.ptrs], L, self.buf[W * S:(W + 1) * S])
+            self.hdl.barrier(channel=1)
+            K.decode_peers(cd, [p + W * S for p in self.ptrs], L, flat)   # every B, mine included
+        if stats is not None:
+            stats.add(2 * (W - 1) * S, 2 * (W - 1) * flat.numel() * flat.element_size() / W)
+        return self.run(fn, async_op, then)
+
+    def gather_messages(self, cd, x, M, L, msg):
+        """Encode x as M messages into my A, then decode message `msg` of every rank's A
+        (rank order) into a (W, L) fp32 tensor."""
+        S = cd.nbytes(L)
+        self.reserve(M * S)
+        out = torch.empty(self.W, L, dtype=torch.float32, device=self.device)
+
+        def fn():
+            _kernels().encode(cd, x, M, L, into=self.buf[:M * S])
+            self.hdl.barrier(channel=0)
+            _kernels().decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
+            self.hdl.barrier(channel=1)                      # nobody rewrites its A before all have read it
+        self.run(fn, async_op=False)
+        return out, S
+
+
+@functools.lru_cache(maxsize=None)
+def _peer_access_everywhere():
+    n = torch.cuda.device_count()
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
+
+
+_WORKSPACES = {}
+
+
+def symm_workspace(x, group, cd, transport):
+    """The symmetric-memory workspace for this collective, or None for the torch.distributed path.
+    transport: "dist" (NCCL, gloo: portable), "symm" (required: an error if impossible), or
+    "auto" = symm when x is on a GPU, the kernels cover the codec, the whole job runs on this
+    node with peer access between all GPUs, and NCCL_P2P_DISABLE is not set (we use that to
+    stand for a host-staged link, and then the NCCL path is the one being measured)."""
+    if transport not in ("auto", "dist", "symm"):
+        raise ValueError(f"transport={transport!r}: choose auto, dist or symm")
+    if transport == "dist":
+        return None
+    W = dist.get_world_size(group)
+    why = ("the tensor is not on a GPU" if not x.is_cuda else
+           f"codec {cd.name} has no fused kernel (B=256 block codecs only)" if not (isinstance(cd, Codec) and
+                                                                                   cd._kernel_ok(x)) else
+           f"more than {8} ranks" if W > 8 else
+           "the job spans more than one node" if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE") else
+           "no peer access between the GPUs" if not _peer_access_everywhere() else
+           "NCCL_P2P_DISABLE is set" if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0") else None)
+    if why is not None:
+        if transport == "symm":
+            raise RuntimeError(f"taco: transport='symm' is impossible here: {why}; use transport='dist' or 'auto'")
+        return None
+    key = ((group or dist.group.WORLD).group_name, x.device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = _SymmWorkspace(group, x.device)
+    return _WORKSPACES[key]
+
+
 def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
-               min_bytes=DEFAULT_MIN_BYTES, stats=None, async_op=False):
+               min_bytes=DEFAULT_MIN_BYTES, stats=None, async_op=False, transport="auto"):
     """In-place SUM over `group`, like torch.distributed.all_reduce, two-shot and compressed.
     Returns x; with async_op=True a handle instead, after the first phase has been started (the
     shards compressed and their all-to-all under way): do other work, then handle.wait(), after
-    which x holds the sum. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce."""
+    which x holds the sum. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce.
+    transport (symm_workspace): "auto" takes symmetric memory inside a node (one chunk, no NCCL),
+    torch.distributed (NCCL or gloo) otherwise; both give the same bits."""
     W = dist.get_world_size(group) if dist.is_initialized() else 1
     n, esize = x.numel(), x.element_size()
     logical = 2 * (W - 1) * n * esize / W
@@ -731,6 +873,11 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
             stats.add(logical, logical)
         return work if async_op else x
     flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+    ws = symm_workspace(x, group, cd, transport)
+    if ws is not None:                     # (a non-contiguous x: flat is a copy, written back at the end)
+        then = None if x.is_contiguous() else (lambda: x.copy_(flat.view_as(x)))
+        handle = ws.all_reduce(flat, cd, stats, async_op, then)
+        return handle if async_op else x
     pending, wire = [], 0
     # === reduce-scatter phase: compress every chunk's W shards, start its all-to-all ===
     for a, b in _plan_chunks(n, W, cd.B, chunks):
@@ -766,7 +913,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     return x
 
 
-def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
+def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):
     """Sum over the group of x (n elements, n divisible by W); returns this rank's n/W slice.
     The summed shard is not re-compressed (it stays with its owner)."""
     W = dist.get_world_size(group)
@@ -783,16 +930,21 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
     L = cd.padded(n // W)
     shards = torch.zeros(W, L, dtype=x.dtype, device=x.device)     # shard r padded to whole blocks
     shards[:, :n // W] = x.reshape(W, n // W)
-    send = cd.encode(shards.view(-1), W, L)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    out.copy_(rank_order_sum(cd.decode(recv, L).view(W, L))[:n // W])
+    ws = symm_workspace(x, group, cd, transport)
+    if ws is not None:                     # the W messages for my shard, read from the peers' buffers
+        parts, S = ws.gather_messages(cd, shards.view(-1), W, L, dist.get_rank(group))
+    else:
+        send = cd.encode(shards.view(-1), W, L)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        parts, S = cd.decode(recv, L).view(W, L), send.shape[1]
+    out.copy_(rank_order_sum(parts)[:n // W])
     if stats is not None:
-        stats.add((W - 1) * send.shape[1], (W - 1) * out.numel() * x.element_size())
+        stats.add((W - 1) * S, (W - 1) * out.numel() * x.element_size())
     return out
 
 
-def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
+def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):
     """Concatenate x from every rank (rank order); every rank decodes every piece, its own
     included, so all ranks hold bitwise-identical results."""
     W = dist.get_world_size(group)
@@ -804,10 +956,15 @@ def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None):
         if stats is not None:
             stats.add((W - 1) * n * x.element_size(), (W - 1) * n * x.element_size())
         return out
-    mine = cd.compress(x)
-    gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
-    _all_gather_flat(gathered, mine, group=group)
-    out.copy_(cd.decode(gathered.view(W, -1), cd.padded(n)).view(W, -1)[:, :n].reshape(-1))
+    ws = symm_workspace(x, group, cd, transport) if n else None
+    if ws is not None:                     # every rank's one message, read from its buffer
+        parts, S = ws.gather_messages(cd, x.reshape(-1), 1, cd.padded(n), 0)
+    else:
+        mine = cd.compress(x)
+        gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
+        _all_gather_flat(gathered, mine, group=group)
+        parts, S = cd.decode(gathered.view(W, -1), cd.padded(n)).view(W, -1), mine.numel()
+    out.copy_(parts[:, :n].reshape(-1))
     if stats is not None:
-        stats.add((W - 1) * mine.numel(), (W - 1) * n * x.element_size())
+        stats.add((W - 1) * S, (W - 1) * n * x.element_size())
     return out

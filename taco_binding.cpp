@@ -27,39 +27,74 @@ void check(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "taco: ", what, " must be a contiguous CUDA tensor");
 }
 
-torch::Tensor encode(torch::Tensor x, int64_t M, std::vector<int64_t> ip, std::vector<double> fp) {
+TacoMsgs contiguous(const torch::Tensor& buf) {
+  check(buf, "buffer");
+  return TacoMsgs{buf.data_ptr<uint8_t>(), {}, 0};
+}
+
+// message m at address ptrs[m]: buffers in the peers' symmetric memory (the caller keeps them alive)
+TacoMsgs scattered(const std::vector<int64_t>& ptrs) {
+  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= TACO_MAX_PEERS, "taco: 1 to ", TACO_MAX_PEERS, " message pointers");
+  TacoMsgs m{nullptr, {}, (int)ptrs.size()};
+  for (size_t i = 0; i < ptrs.size(); i++) m.ptr[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+  return m;
+}
+
+torch::Tensor encode(torch::Tensor x, int64_t M, std::vector<int64_t> ip, std::vector<double> fp,
+                     c10::optional<torch::Tensor> into) {
   check(x, "input");
   const c10::cuda::CUDAGuard guard(x.device());
   TacoParams p = params(ip, fp);
-  auto out = torch::empty({M, p.S}, x.options().dtype(torch::kUInt8));
+  torch::Tensor out;
+  if (into) {                                   // e.g. this rank's symmetric-memory buffer
+    out = *into;
+    check(out, "output");
+    TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.numel() == M * p.S, "taco: encode output must be ",
+                M * p.S, " bytes");
+  } else {
+    out = torch::empty({M, p.S}, x.options().dtype(torch::kUInt8));
+  }
   taco_encode(x.data_ptr(), dtype_code(x), x.numel(), (int)M, p, out.data_ptr<uint8_t>(),
               c10::cuda::getCurrentCUDAStream());
   return out;
 }
 
-torch::Tensor decode(torch::Tensor buf, torch::Tensor out, std::vector<int64_t> ip, std::vector<double> fp) {
-  check(buf, "buffer");
+torch::Tensor decode(TacoMsgs msgs, int64_t M, torch::Tensor out, std::vector<int64_t> ip, std::vector<double> fp) {
   check(out, "output");
-  const c10::cuda::CUDAGuard guard(buf.device());
-  taco_decode(buf.data_ptr<uint8_t>(), (int)buf.size(0), params(ip, fp), out.data_ptr(), dtype_code(out),
-              out.numel(), c10::cuda::getCurrentCUDAStream());
+  const c10::cuda::CUDAGuard guard(out.device());
+  taco_decode(msgs, (int)M, params(ip, fp), out.data_ptr(), dtype_code(out), out.numel(),
+              c10::cuda::getCurrentCUDAStream());
   return out;
 }
 
-torch::Tensor reduce_encode(torch::Tensor buf, std::vector<int64_t> ip, std::vector<double> fp) {
-  check(buf, "buffer");
-  const c10::cuda::CUDAGuard guard(buf.device());
+torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, std::vector<int64_t> ip,
+                            std::vector<double> fp) {
+  check(out, "output");
+  const c10::cuda::CUDAGuard guard(out.device());
   TacoParams p = params(ip, fp);
-  auto out = torch::empty({p.S}, buf.options());
-  taco_reduce_encode(buf.data_ptr<uint8_t>(), (int)buf.size(0), p, out.data_ptr<uint8_t>(),
-                     c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.numel() == p.S, "taco: reduce_encode output must be ",
+              p.S, " bytes");
+  taco_reduce_encode(msgs, (int)P, p, out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream());
   return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode", &encode, "fused compress of M messages");
-  m.def("decode", &decode, "fused decompress into out");
-  m.def("reduce_encode", &reduce_encode, "fused decompress-reduce-compress");
+  m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
+        py::arg("x"), py::arg("M"), py::arg("ip"), py::arg("fp"), py::arg("into") = py::none());
+  m.def("decode", [](torch::Tensor buf, torch::Tensor out, std::vector<int64_t> ip, std::vector<double> fp) {
+    return decode(contiguous(buf), buf.size(0), out, ip, fp);
+  }, "fused decompress of an (M, S) buffer into out");
+  m.def("decode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, std::vector<int64_t> ip,
+                           std::vector<double> fp) { return decode(scattered(ptrs), ptrs.size(), out, ip, fp); },
+        "fused decompress of messages at the given device addresses into out");
+  m.def("reduce_encode", [](torch::Tensor buf, std::vector<int64_t> ip, std::vector<double> fp) {
+    auto out = torch::empty({params(ip, fp).S}, buf.options());
+    return reduce_encode(contiguous(buf), buf.size(0), out, ip, fp);
+  }, "fused decompress-reduce-compress of a (P, S) buffer");
+  m.def("reduce_encode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, std::vector<int64_t> ip,
+                                  std::vector<double> fp) {
+    return reduce_encode(scattered(ptrs), ptrs.size(), out, ip, fp);
+  }, "fused decompress-reduce-compress of messages at the given device addresses, into out");
 }

@@ -263,6 +263,10 @@ __device__ __forceinline__ void encode_block(float v[E], int lane, const TacoPar
 
 struct BlockMeta { float s, inv_alpha; };
 
+__device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i, long long S) {
+  return m.n_ptr ? m.ptr[i] : m.base + i * S;
+}
+
 // decode, part 1: the loads (codes and metadata) of one block
 __device__ __forceinline__ BlockMeta load_block(const uint8_t* msg, long long lb, long long nbs, int lane,
                                                 const TacoParams& p, float v[E]) {
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(32 * WARPS) encode_kernel(const void* x, long 
 }
 
 template <int DT>
-__global__ void __launch_bounds__(32 * WARPS) decode_kernel(const uint8_t* buf, TacoParams p, void* out, long long n) {
+__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, long long n) {
   const int lane = threadIdx.x & 31;
   const long long nbs = p.L / B, msg = blockIdx.y;
   const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
@@ -321,7 +325,7 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(const uint8_t* buf, 
 #pragma unroll
   for (int k = 0; k < K; k++)                 // skip blocks wholly past n
     if (first + k < nbs && msg * p.L + (first + k) * B < n)
-      bm[k] = load_block(buf + msg * p.S, first + k, nbs, lane, p, v[k]);
+      bm[k] = load_block(message(buf, msg, p.S), first + k, nbs, lane, p, v[k]);
 #pragma unroll
   for (int k = 0; k < K; k++) {
     const long long i0 = msg * p.L + (first + k) * B;
@@ -332,16 +336,16 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(const uint8_t* buf, 
   }
 }
 
-__global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(const uint8_t* buf, int P, TacoParams p,
+__global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p,
                                                                    uint8_t* out) {
   const int lane = threadIdx.x & 31;
   const long long nbs = p.L / B;
   const long long lb = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
   if (lb >= nbs) return;
   float acc[E], v[E];
-  finish_decode(acc, load_block(buf, lb, nbs, lane, p, acc), lane, p);
+  finish_decode(acc, load_block(message(buf, 0, p.S), lb, nbs, lane, p, acc), lane, p);
   for (int r = 1; r < P; r++) {               // fp32 sum in rank order 0, 1, ..., P-1
-    finish_decode(v, load_block(buf + r * p.S, lb, nbs, lane, p, v), lane, p);
+    finish_decode(v, load_block(message(buf, r, p.S), lb, nbs, lane, p, v), lane, p);
 #pragma unroll
     for (int j = 0; j < E; j++) acc[j] = acc[j] + v[j];
   }
@@ -362,7 +366,7 @@ void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8
   else encode_kernel<TACO_F16><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
 }
 
-void taco_decode(const uint8_t* buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
+void taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
   if (M == 0 || p.L == 0 || n == 0) return;
   const dim3 grid(grid_for(p.L / B, K), M);
   if (odt == TACO_F32) decode_kernel<TACO_F32><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
@@ -370,7 +374,7 @@ void taco_decode(const uint8_t* buf, int M, TacoParams p, void* out, int odt, lo
   else decode_kernel<TACO_F16><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
 }
 
-void taco_reduce_encode(const uint8_t* buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
+void taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
   const long long blocks = p.L / B;
   if (blocks == 0) return;
   reduce_encode_kernel<<<grid_for(blocks, 1), 32 * WARPS, 0, st>>>(buf, P, p, out);

@@ -18,9 +18,18 @@ struct TacoParams {
   long long S;        // bytes per message, a multiple of 16
 };
 
+// Where message m of a batch starts: base + m * S (one contiguous (M, S) buffer), or, when n_ptr > 0,
+// ptr[m]: the messages sit in different buffers, e.g. in the peers' symmetric memory (read over NVLink).
+#define TACO_MAX_PEERS 8
+struct TacoMsgs {
+  const uint8_t* base;
+  const uint8_t* ptr[TACO_MAX_PEERS];
+  int n_ptr;
+};
+
 // x: n elements of dtype xdt; message m encodes x[m*L, (m+1)*L) (zeros past n) into out[m*S, (m+1)*S)
 void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st);
 // the first n elements of M messages -> out (dtype odt)
-void taco_decode(const uint8_t* buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st);
+void taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st);
 // decode P messages, sum in fp32 in order 0..P-1, re-encode into one message
-void taco_reduce_encode(const uint8_t* buf, int P, TacoParams p, uint8_t* out, cudaStream_t st);
+void taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st);

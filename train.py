@@ -74,6 +74,7 @@ zero1 = False                   # ZeRO stage 1 over DP: AdamW state (fp32 master
 zero_codec = "none"             # with zero1: the parameter all-gather sends weight differences in this codec (SDP4Bit: hint4)
 pp_codec = "none"               # activations between pipeline stages (TAH-Quant-style: tahquant)
 pp_codec_bwd = ""               # gradients between stages ("" = same as pp_codec; TAH-Quant: higher precision, hint8)
+tp_transport = "auto"           # auto: symmetric memory inside a node (GPU peers), else NCCL/gloo | dist | symm
 taco_chunks = 1                 # measured on 2xH200: more chunks only add host overhead (README)
 taco_min_bytes = 8388608        # smaller all-reduces stay uncompressed: compression won only >= 16 MB (README)
 # system
@@ -81,6 +82,7 @@ seed = 1337
 device = "auto"                 # auto | cpu | cuda
 dtype = "auto"                  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
 compile = False
+profile_steps = 0               # > 0: profile the last N steps (CUDA kernels by kind) into out_dir/profile.json
 peak_flops = 989e12             # per-GPU dense bf16 peak for MFU (H100/H200 SXM datasheet)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in list(globals().items()) if not k.startswith("_")
@@ -110,6 +112,23 @@ def configure(g, argv):
         if type(v) is not type(g[key]):
             raise SystemExit(f"--{key}={val}: expected {type(g[key]).__name__}, got {type(v).__name__}")
         g[key] = v
+
+
+def kernel_time_by_kind(prof, steps):
+    """GPU time per step (ms) of the profiled CUDA kernels, by kind: the TP transport (NCCL
+    kernels, symmetric-memory barriers), the codec kernels, copies, and the rest (compute).
+    Kernels on different streams overlap (communication runs beside the matmuls), so the kinds
+    can add up to more than the step."""
+    kinds = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        kind = ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
+                "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
+                "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
+        kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1000 / steps
+    return kinds
 
 
 def check_config(cfg, world):
@@ -144,6 +163,10 @@ def check_config(cfg, world):
     for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd", "zero_codec"):
         if cfg[k] not in ("", *taco.codec_names()):
             raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())}")
+    if cfg["tp_transport"] not in ("auto", "dist", "symm"):
+        raise parallel.ConfigError(f"tp_transport={cfg['tp_transport']!r}: choose auto, dist or symm")
+    if cfg["tp_transport"] == "symm" and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
+        raise parallel.ConfigError("tp_transport='symm' needs GPUs (symmetric memory): use auto or dist")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise parallel.ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
     for split in ("train", "val"):
@@ -267,7 +290,7 @@ def main():
     # === model, optimizer ===
     comm = parallel.tp_comm_from_grid(grid, fwd_codec=tp_codec, bwd_codec=tp_codec_bwd or tp_codec,
                                       block_size=codec_block, chunks=taco_chunks, min_bytes=taco_min_bytes,
-                                      emulate=tp_emulate, sp=sequence_parallel)
+                                      emulate=tp_emulate, sp=sequence_parallel, transport=tp_transport)
     mcfg = GPTConfig(block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                      dropout=dropout, bias=bias)
     model = GPT(mcfg, comm, seed=seed, stage=grid.pp_rank, stages=grid.pp).to(dev)
@@ -366,7 +389,12 @@ def main():
             jlog.write(json.dumps(kv) + "\n")
             jlog.flush()
     t0, loss_sum, nsum = time.time(), 0.0, 0
+    prof = None
     for it in range(it0, max_iters):
+        if use_cuda and profile_steps and it == max(it0, max_iters - profile_steps):
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.start()
+            t_prof, it_prof = time.time(), it
         lr = get_lr(it, cfg)
         for group in opt.param_groups if zero is None else ():
             group["lr"] = lr
@@ -432,6 +460,18 @@ def main():
             save_checkpoint(out_dir, grid, model, opt, it + 1, cfg)
     if bar is not None:
         bar.close()
+    if prof is not None:
+        torch.cuda.synchronize()
+        prof.stop()
+        steps = max_iters - it_prof
+        kinds = kernel_time_by_kind(prof, steps)
+        if master:
+            summary = {"steps": steps, "wall_ms_per_step": 1000 * (time.time() - t_prof) / steps,
+                       "kernel_ms_per_step": kinds}
+            with open(os.path.join(out_dir, "profile.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            log("profile (ms per step, kernels by kind; streams overlap): " +
+                ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items())))
 
     # === a sample, so you can see what it learned ===
     if sample_tokens > 0 and sequence_parallel and master:

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks from inside pytest and collect what each rank returns."""
+"""Run a function on N ranks (gloo; or NCCL, one GPU each) from inside pytest and collect what
+each rank returns."""
 import os
 import socket
 import tempfile
@@ -14,11 +15,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, outdir):
+def _entry(rank, world, port, fn, args, outdir, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
@@ -26,9 +29,10 @@ def _entry(rank, world, port, fn, args, outdir):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world, *args):
-    """fn(rank, world, *args) on `world` processes (gloo); returns [result of rank 0, 1, ...].
-    fn must be a module-level function (it is pickled by name). A failing rank fails the test."""
+def run_ranks(fn, world, *args, backend="gloo"):
+    """fn(rank, world, *args) on `world` processes; returns [result of rank 0, 1, ...] (return
+    CPU tensors). fn must be a module-level function (it is pickled by name). A failing rank
+    fails the test. backend="nccl": rank r on GPU r."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world, _free_port(), fn, args, d), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, _free_port(), fn, args, d, backend), nprocs=world, join=True)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]

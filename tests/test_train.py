@@ -116,16 +116,37 @@ def test_e2e_benchmark_runs_every_codec_in_one_invocation(tmp_path):
     """bench.py e2e: one training per codec, same invocation, a table with the speedup column
     (on CPU the numbers mean nothing; the GPU results are in results/e2e_*.json)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", NANOTACO_RESULTS=str(tmp_path))
-    p = subprocess.run([sys.executable, "bench.py", "e2e", "configs/demo.py", "none,hint8,dp_overlap=False", "2", "cputest",
+    p = subprocess.run([sys.executable, "bench.py", "e2e", "configs/demo.py", "none,hint8,tp_codec=taco/tp_transport=dist", "2", "cputest",
                         "--max_iters=4", "--log_interval=1", "--pp=1", "--gradient_accumulation_steps=1",
                         "--n_layer=1", "--n_embd=32", "--n_head=2",
                         "--block_size=32", "--batch_size=2"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.load(open(tmp_path / "e2e_cputest.json"))
-    assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "dp_overlap=False"]    # KEY=VALUE: another knob
+    # KEY=VALUE[/KEY=VALUE]: other knobs
+    assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "tp_codec=taco/tp_transport=dist"]
     assert res["rows"][0]["speedup"] == "1.00x"
-    assert res["rows"][1]["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
+    for r in res["rows"][1:]:
+        assert r["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
+    assert res["rows"][1]["loss"] != res["rows"][2]["loss"]                         # hint8 vs taco: both ran
+
+
+def test_kernel_time_by_kind_sorts_profiled_kernels():
+    """train.py --profile_steps: GPU kernels by kind, per step (what bench.py e2e's breakdown shows)."""
+    import types
+    import train
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    ev = lambda name, us, dev=cuda: types.SimpleNamespace(
+        name=name, device_type=dev, time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+    prof = types.SimpleNamespace(events=lambda: [
+        ev("sm90_xmma_gemm_bf16bf16_bf16f32", 3000), ev("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 800),
+        ev("void (anonymous namespace)::encode_kernel<1>(void const*, long long)", 100),
+        ev("void (anonymous namespace)::reduce_encode_kernel(TacoMsgs, int)", 60),
+        ev("void c10d::symmetric_memory::barrier_kernel(unsigned int**)", 20),
+        ev("Memcpy DtoD (Device -> Device)", 40), ev("aten::mm", 5000, cpu)])
+    kinds = train.kernel_time_by_kind(prof, steps=2)
+    assert kinds == pytest.approx({"compute": 1.5, "comm: nccl": 0.4, "codec kernels": 0.08,
+                                   "comm: symm barrier": 0.01, "memcpy/memset": 0.02})
 
 
 def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):

@@ -1,0 +1,141 @@
+"""The symmetric-memory transport of the compressed collectives (taco.symm_workspace): the same
+bits as the torch.distributed path, identical on every rank, across changing sizes, mixed
+collectives, async handles and CUDA-graph replay. Needs 2 GPUs with peer access (NCCL ranks);
+on CPU only the transport choice is tested (gloo)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import taco
+from launcher import run_ranks
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _data(n, dtype, seed, rank):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(n, generator=g) * 0.05
+    x[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 40.0
+    return x.to(dtype).cuda()
+
+
+def _fingerprint(x):
+    """Bits of x, summed two ways (cheap to compare across ranks, sensitive to any bit)."""
+    b = x.contiguous().view(torch.uint8).long()
+    return torch.stack([b.sum(), (b * torch.arange(1, b.numel() + 1, device=b.device) % 65521).sum()]).cpu()
+
+
+def _symm_cases(rank, world):
+    taco.load_kernels()
+    out, fps = {}, []                 # fps: fingerprints of results, compared across ranks at the end
+    # 1. all_reduce: symm == dist bit for bit; changing sizes (odd, growing, shrinking), codecs, dtypes
+    cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 1000003, torch.bfloat16), ("hint6", 777, torch.float32),
+             ("hint8", 3 << 22, torch.bfloat16), ("taco-e5m2", 5000, torch.float16), ("hint8", 256, torch.float32)]
+    for i, (codec, n, dtype) in enumerate(cases):
+        x = _data(n, dtype, i, rank)
+        a, b = x.clone(), x.clone()
+        sa, sb = taco.CommStats(), taco.CommStats()
+        taco.all_reduce(a, codec=codec, transport="dist", stats=sa)
+        taco.all_reduce(b, codec=codec, transport="symm", stats=sb)
+        out[f"ar {codec} {n} {dtype}"] = (torch.equal(a.view(torch.uint8), b.view(torch.uint8)),
+                                          sa.wire_bytes == sb.wire_bytes)
+        fps.append(_fingerprint(b))
+    # a non-contiguous tensor (its flat copy is reduced and written back)
+    x = _data(2 * 5000, torch.bfloat16, 8, rank).view(5000, 2).t()
+    a, b = x.clone(), x.clone()                      # clone keeps the strides: both non-contiguous
+    taco.all_reduce(a, codec="hint8", transport="dist")
+    taco.all_reduce(b, codec="hint8", transport="symm")
+    out["ar non-contiguous"] = (not b.is_contiguous() and torch.equal(a, b), True)
+    # 2. NaN on one rank reaches every rank
+    x = _data(4096, torch.bfloat16, 9, rank)
+    if rank == 1:
+        x[300] = float("nan")
+    taco.all_reduce(x, codec="hint8", transport="symm")
+    out["nan"] = (bool(torch.isnan(x[256:512]).all()), bool(torch.isfinite(x[:256]).all()))
+    # 3. reduce_scatter and all_gather, interleaved with all_reduce on the same workspace
+    for codec in ("hint8", "taco"):
+        x = _data(world * 3000, torch.bfloat16, 20, rank)
+        rs = [taco.reduce_scatter(x, codec=codec, transport=t) for t in ("dist", "symm")]
+        y = _data(5000, torch.bfloat16, 21, rank)
+        ag = [taco.all_gather(y, codec=codec, transport=t) for t in ("dist", "symm")]
+        z = _data(70000, torch.bfloat16, 22, rank)
+        taco.all_reduce(z, codec=codec, transport="symm")
+        out[f"rs/ag {codec}"] = (torch.equal(rs[0], rs[1]), torch.equal(ag[0], ag[1]))
+        fps += [_fingerprint(ag[1]), _fingerprint(z)]
+    # 4. async: the handle orders the caller's stream; other work meanwhile
+    x = _data(1 << 20, torch.bfloat16, 30, rank)
+    ref = x.clone()
+    taco.all_reduce(ref, codec="hint8", transport="symm")
+    h = taco.all_reduce(x, codec="hint8", transport="symm", async_op=True)
+    w = torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda")   # meanwhile
+    h.wait()
+    out["async"] = torch.equal(x, ref) and bool(torch.isfinite(w).all())
+    # 5. CUDA graph: two all-reduces captured once, replayed with new inputs each time
+    n = 1 << 18
+    static = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    for s in static:                                          # warm-up: the buffer is big enough
+        taco.all_reduce(s, codec="hint8", transport="symm")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in static:
+            taco.all_reduce(s, codec="hint8", transport="symm")
+    ok = True
+    for rep in range(5):
+        inputs = [_data(n, torch.bfloat16, 40 + rep * 2 + k, rank) for k in range(2)]
+        for s, v in zip(static, inputs):
+            s.copy_(v)
+        graph.replay()
+        for s, v in zip(static, inputs):
+            e = v.clone()
+            taco.all_reduce(e, codec="hint8", transport="dist")
+            ok &= torch.equal(s, e)
+    torch.cuda.synchronize()
+    out["graph"] = ok
+    # 6. every rank the same bits
+    fps = torch.stack(fps + [_fingerprint(s) for s in static]).cuda()
+    allf = [torch.empty_like(fps) for _ in range(world)]
+    dist.all_gather(allf, fps)
+    out["identical across ranks"] = all(torch.equal(allf[0], f) for f in allf)
+    return out
+
+
+@two_gpus
+def test_symmetric_memory_transport_matches_nccl_bitwise():
+    per_rank = run_ranks(_symm_cases, 2, backend="nccl")
+    for rank, out in enumerate(per_rank):
+        for key, v in out.items():
+            if key.startswith("ar "):
+                assert v[0], f"rank {rank} {key}: symm and dist results differ"
+                assert v[1], f"rank {rank} {key}: wire bytes differ"
+            elif key.startswith("rs/ag"):
+                assert v[0] and v[1], f"rank {rank} {key}: reduce_scatter/all_gather differ from dist"
+            elif key == "nan":
+                assert v == (True, True), f"rank {rank}: NaN block not propagated exactly"
+            else:
+                assert v, f"rank {rank}: {key} failed"
+
+
+def _transport_choice(rank, world):
+    x = torch.ones(4096)
+    res = {"auto": torch.equal(taco.all_reduce(x.clone(), codec="hint8", transport="auto"),
+                               taco.all_reduce(x.clone(), codec="hint8", transport="dist"))}
+    try:
+        taco.all_reduce(x.clone(), codec="hint8", transport="symm")
+        res["symm"] = "no error"
+    except RuntimeError as e:
+        res["symm"] = str(e)
+    try:
+        taco.all_reduce(x.clone(), codec="hint8", transport="nvlink")
+        res["bad"] = "no error"
+    except ValueError as e:
+        res["bad"] = str(e)
+    return res
+
+
+def test_transport_choice_on_cpu():
+    """Off the GPU, auto falls back to torch.distributed; asking for symm explains why it cannot."""
+    for r in run_ranks(_transport_choice, 2):
+        assert r["auto"]
+        assert "impossible here: the tensor is not on a GPU" in r["symm"]
+        assert "choose auto, dist or symm" in r["bad"]
