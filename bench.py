@@ -388,47 +388,61 @@ def bench_e2e(config, codecs, nproc, extra, tag="e2e", profile_steps=5):
 # -----------------------------------------------------------------------------
 # a cost model of the TP communication in a training step, from the measured collectives
 
-def interp_us(rows, variant, mb):
-    """All-reduce time (us) of `variant` (chunks=1) at `mb` MB: log-log interpolation between
-    the two measured sizes around it (results/collective_*.json)."""
+def interp_us(rows, variant, mb, transport="dist"):
+    """All-reduce time (us) of `variant` (chunks=1, on `transport`) at `mb` MiB: log-log
+    interpolation between the two measured sizes around it (results/collective_*.json)."""
     pts = sorted((r["MB"], float(r["us"])) for r in rows
-                 if r["variant"] == variant and r["chunks"] == 1 and r.get("transport", "dist") == "dist")
+                 if r["variant"] == variant and r["chunks"] == 1 and r.get("transport", "dist") == transport)
     (m0, t0), (m1, t1) = next(((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= mb <= b[0]), pts[-2:])
     return t0 * (t1 / t0) ** (math.log(mb / m0) / math.log(m1 / m0))
 
 
-def bench_costmodel(n_ar=50, mb=24 * 1.048576, step_ms=None):
-    """GPT-2 small at TP=2 (configs/gpt2s.py): 50 TP all-reduces per step (4 per block x 12 + the
-    embedding's and the head's) of 16 x 1024 x 768 bf16 = 24 MiB. Predicted step time with a codec
-    = measured uncompressed step - 50 x t_nccl(24 MiB) + 50 x t_codec(24 MiB), against the
-    measured step times (results/gpu/gpu_train.log)."""
+def bench_costmodel():
+    """Predicted step time with a codec = measured uncompressed step - n x t_nccl(size) +
+    n x t_codec(size), with n TP all-reduces per step of `size` MiB and the all-reduce times
+    interpolated from the collective benchmark (results/collective_*.json), against the measured
+    step. gpt2s (configs/gpt2s.py, eager): 50 all-reduces (4 per block x 12 + embedding + head)
+    of 16 x 1024 x 768 bf16 = 24 MiB, steps from results/gpu/gpu_train.log. gpt1b
+    (configs/gpt1b.py, compiled): 82 (4 x 20 + 2) of 8 x 2048 x 2048 bf16 = 64 MiB, steps from
+    results/e2e_gpt1b_*.json (bench.py e2e)."""
     import re
-    if step_ms is None:                  # the last timed log line of each run in the GPU training log
-        step_ms, key = {}, None
-        for line in open(os.path.join(RESULTS, "gpu", "gpu_train.log")):
-            m = re.match(r"=== train gpt2s TP=2 tp_codec=(\S+) \((NVLink|NCCL_P2P_DISABLE=1)\)", line)
-            if m:
-                key = ("nvlink" if m.group(2) == "NVLink" else "p2p_disabled", m.group(1))
-            m = re.match(r"step\s+\d+ \| loss .*\|\s+([\d.]+) ms", line)
-            if m and key:
-                step_ms[key] = float(m.group(1))
-    rows = []
+    steps, key = {}, None                # (model, link, codec, transport) -> measured ms/step
+    for line in open(os.path.join(RESULTS, "gpu", "gpu_train.log")):
+        m = re.match(r"=== train gpt2s TP=2 tp_codec=(\S+) \((NVLink|NCCL_P2P_DISABLE=1)\)", line)
+        if m:
+            key = ("gpt2s", "nvlink" if m.group(2) == "NVLink" else "p2p_disabled", m.group(1), "dist")
+        m = re.match(r"step\s+\d+ \| loss .*\|\s+([\d.]+) ms", line)
+        if m and key:
+            steps[key] = float(m.group(1))                   # the last timed log line of the run
     for link in ("nvlink", "p2p_disabled"):
-        coll = json.load(open(os.path.join(RESULTS, f"collective_{link}.json")))["rows"]
-        t_nccl = interp_us(coll, "nccl bf16", mb)
-        base = step_ms[(link, "none")]
-        for codec in ("hint8", "taco"):
-            t = interp_us(coll, codec, mb)
-            pred = base - n_ar * t_nccl / 1e3 + n_ar * t / 1e3
-            meas = step_ms.get((link, codec))
-            rows.append({"link": link, "codec": codec, "TP share (none)": f"{100 * n_ar * t_nccl / 1e3 / base:.0f}%",
-                         "t_nccl us": round(t_nccl), "t_codec us": round(t), "none ms": base,
-                         "predicted ms": round(pred, 1), "predicted speedup": f"{base / pred:.2f}x",
-                         "measured ms": meas if meas else "-",
-                         "measured speedup": f"{base / meas:.2f}x" if meas else "-"})
-    save("costmodel", rows, n_allreduces=n_ar, mb=mb, note=bench_costmodel.__doc__)
-    table(rows, ["link", "codec", "TP share (none)", "t_nccl us", "t_codec us", "none ms", "predicted ms",
-                 "predicted speedup", "measured ms", "measured speedup"])
+        path = os.path.join(RESULTS, f"e2e_gpt1b_{link}.json")
+        for r in json.load(open(path))["rows"] if os.path.exists(path) else []:
+            codec, transport = r["codec"], "dist" if link == "p2p_disabled" else "symm"   # auto's choice
+            if "tp_transport=dist" in codec:
+                codec, transport = codec.split("/")[0].split("=")[1], "dist"
+            if r.get("ms/step"):
+                steps[("gpt1b", link, codec, transport if codec != "none" else "dist")] = r["ms/step"]
+    rows = []
+    for model, n_ar, mb in (("gpt2s", 50, 24), ("gpt1b", 82, 64)):
+        for link in ("nvlink", "p2p_disabled"):
+            base = steps.get((model, link, "none", "dist"))
+            if base is None:
+                continue
+            coll = json.load(open(os.path.join(RESULTS, f"collective_{link}.json")))["rows"]
+            t_nccl = interp_us(coll, "nccl bf16", mb)
+            for (m, l, codec, transport), meas in sorted(steps.items()):
+                if (m, l) != (model, link) or codec == "none":
+                    continue
+                t = interp_us(coll, codec, mb, transport)
+                pred = base - n_ar * t_nccl / 1e3 + n_ar * t / 1e3
+                rows.append({"model": model, "link": link, "codec": codec, "transport": transport,
+                             "TP share (none)": f"{100 * n_ar * t_nccl / 1e3 / base:.0f}%",
+                             "t_nccl us": round(t_nccl), "t_codec us": round(t), "none ms": base,
+                             "predicted ms": round(pred, 1), "predicted speedup": f"{base / pred:.2f}x",
+                             "measured ms": meas, "measured speedup": f"{base / meas:.2f}x"})
+    save("costmodel", rows, note=bench_costmodel.__doc__)
+    table(rows, ["model", "link", "codec", "transport", "TP share (none)", "t_nccl us", "t_codec us", "none ms",
+                 "predicted ms", "predicted speedup", "measured ms", "measured speedup"])
 
 
 # -----------------------------------------------------------------------------
@@ -549,7 +563,7 @@ def study_report(group, extra=()):
             row["paired"] = (f"{sum(paired) / len(paired):+.2f}% [{min(paired):+.2f}, {max(paired):+.2f}]"
                              if len(paired) > 1 else f"{paired[0]:+.2f}%")
         rows.append(row)
-    print(f"\nstudy {group} (TP={t} emulated), {STUDY_FILE}:")
+    print(f"\nstudy {group} (TP={t} emulated), {os.path.relpath(STUDY_FILE)}:")
     table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none (means)", "paired"])
     return rows
 

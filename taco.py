@@ -59,6 +59,9 @@ The two-shot compressed all-reduce
     6. decompress ALL W shards, my own included, from the gathered bytes
 Step 6 is why every rank ends with bitwise-identical results: each rank decodes the very same
 bytes with the same code. (Keeping one's own uncompressed shard would break that.)
+Two transports move the bytes: torch.distributed (NCCL all_to_all + all_gather; gloo on CPU), or,
+inside one node, symmetric memory (_SymmWorkspace: the kernels read the peers' buffers directly,
+two barriers instead of two NCCL calls). Same kernels, same bytes, same results.
 The tensor can be cut into `chunks` that pipeline: every chunk's all-to-all is started (async)
 before the first one is waited on, so chunk i+1 is compressed while chunk i is on the wire.
 
@@ -70,10 +73,13 @@ What we measured (README.md has the tables; results/ the raw numbers and command
   raw fp8 99% on gradients, tahquant (4.6 bits) 15%. In training (README, the accuracy study, TP=8
   emulated, 3 seeds, paired): final validation loss +0.15% with hint8, +0.38% with taco. So
   DEFAULT_CODEC is hint8.
-- Speed on 2xH200: the fused kernels run at 36-50% of copy bandwidth (issue-bound); the compressed
-  all-reduce loses to NCCL over NVLink (0.2-0.7x) and wins over a host-staged link from 16 MB
-  (hint8 1.33-1.48x, hint6 up to 1.86x). Below ~8 MB it loses everywhere, hence train.py's
-  taco_min_bytes; this function's own default (min_bytes=0) compresses whatever it is given.
+- Speed on 2xH200: the fused kernels run at 36-50% of copy bandwidth (issue-bound). Over NVLink the
+  compressed all-reduce does not beat NCCL from 16 MB (0.65-0.68x on the NCCL transport, 0.92-0.98x
+  on symmetric memory); from a CUDA graph it wins at 1-4 MB (31-37 us: 1.3-2.4x NCCL). Over a
+  host-staged link it wins from 16 MB (hint8 1.33-1.48x, hint6 up to 1.88x). Eagerly, below ~8 MB
+  it loses everywhere, hence train.py's taco_min_bytes; this function's own default (min_bytes=0)
+  compresses whatever it is given. End to end (1B GPT, TP=2): hint8 0.93x over NVLink, 1.19x
+  host-staged (README).
 """
 import functools
 import math
@@ -825,6 +831,26 @@ def _peer_access_everywhere():
 _WORKSPACES = {}
 
 
+def _why_not_symm(x, cd, W):
+    """Why the symmetric-memory transport cannot carry this collective, or None if it can."""
+    env = os.environ.get
+    if not x.is_cuda:
+        return "the tensor is not on a GPU"
+    if not (isinstance(cd, Codec) and cd._kernel_ok(x)):
+        return f"codec {cd.name} has no fused kernel (the B=256 block codecs have)"
+    if W > 8:
+        return "more than 8 ranks"
+    if env("LOCAL_WORLD_SIZE") is None:
+        return "LOCAL_WORLD_SIZE is unset (torchrun sets it): cannot tell that the job is on one node"
+    if env("LOCAL_WORLD_SIZE") != env("WORLD_SIZE"):
+        return "the job spans more than one node"
+    if not _peer_access_everywhere():
+        return "no peer access between the GPUs"
+    if env("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return "NCCL_P2P_DISABLE is set"
+    return None
+
+
 def symm_workspace(x, group, cd, transport):
     """The symmetric-memory workspace for this collective, or None for the torch.distributed path.
     transport: "dist" (NCCL, gloo: portable), "symm" (required: an error if impossible), or
@@ -835,14 +861,7 @@ def symm_workspace(x, group, cd, transport):
         raise ValueError(f"transport={transport!r}: choose auto, dist or symm")
     if transport == "dist":
         return None
-    W = dist.get_world_size(group)
-    why = ("the tensor is not on a GPU" if not x.is_cuda else
-           f"codec {cd.name} has no fused kernel (B=256 block codecs only)" if not (isinstance(cd, Codec) and
-                                                                                   cd._kernel_ok(x)) else
-           f"more than {8} ranks" if W > 8 else
-           "the job spans more than one node" if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE") else
-           "no peer access between the GPUs" if not _peer_access_everywhere() else
-           "NCCL_P2P_DISABLE is set" if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0") else None)
+    why = _why_not_symm(x, cd, dist.get_world_size(group))
     if why is not None:
         if transport == "symm":
             raise RuntimeError(f"taco: transport='symm' is impossible here: {why}; use transport='dist' or 'auto'")
