@@ -90,6 +90,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CODEC = "hint8"          # the codec that measures best (README "Codecs"); `taco` is the paper
+TRANSPORTS = ("auto", "dist", "symm")   # how the compressed bytes travel (symm_workspace)
 DEFAULT_MIN_BYTES = 0            # below this many bytes, a plain all-reduce (train.py sets 8 MiB, measured)
 
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0, "int4": 7.0}
@@ -809,14 +810,14 @@ class _SymmWorkspace:
     def gather_messages(self, cd, x, M, L, msg):
         """Encode x as M messages into my A, then decode message `msg` of every rank's A
         (rank order) into a (W, L) fp32 tensor."""
-        S = cd.nbytes(L)
+        S, K = cd.nbytes(L), _kernels()
         self.reserve(M * S)
         out = torch.empty(self.W, L, dtype=torch.float32, device=self.device)
 
         def fn():
-            _kernels().encode(cd, x, M, L, into=self.buf[:M * S])
+            K.encode(cd, x, M, L, into=self.buf[:M * S])
             self.hdl.barrier(channel=0)
-            _kernels().decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
+            K.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
             self.hdl.barrier(channel=1)                      # nobody rewrites its A before all have read it
         self.run(fn, async_op=False)
         return out, S
@@ -857,8 +858,8 @@ def symm_workspace(x, group, cd, transport):
     "auto" = symm when x is on a GPU, the kernels cover the codec, the whole job runs on this
     node with peer access between all GPUs, and NCCL_P2P_DISABLE is not set (we use that to
     stand for a host-staged link, and then the NCCL path is the one being measured)."""
-    if transport not in ("auto", "dist", "symm"):
-        raise ValueError(f"transport={transport!r}: choose auto, dist or symm")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: choose {', '.join(TRANSPORTS)}")
     if transport == "dist":
         return None
     why = _why_not_symm(x, cd, dist.get_world_size(group))

@@ -163,8 +163,8 @@ def check_config(cfg, world):
     for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd", "zero_codec"):
         if cfg[k] not in ("", *taco.codec_names()):
             raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())}")
-    if cfg["tp_transport"] not in ("auto", "dist", "symm"):
-        raise parallel.ConfigError(f"tp_transport={cfg['tp_transport']!r}: choose auto, dist or symm")
+    if cfg["tp_transport"] not in taco.TRANSPORTS:
+        raise parallel.ConfigError(f"tp_transport={cfg['tp_transport']!r}: choose {', '.join(taco.TRANSPORTS)}")
     if cfg["tp_transport"] == "symm" and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
         raise parallel.ConfigError("tp_transport='symm' needs GPUs (symmetric memory): use auto or dist")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
