@@ -138,4 +138,4 @@ def test_transport_choice_on_cpu():
     for r in run_ranks(_transport_choice, 2):
         assert r["auto"]
         assert "impossible here: the tensor is not on a GPU" in r["symm"]
-        assert "choose auto, dist or symm" in r["bad"]
+        assert "choose auto, dist, symm" in r["bad"]
