@@ -419,18 +419,26 @@ def main():
         if grid.dp > 1:
             dist.all_reduce(lossf, group=grid.dp_group)
             lossf /= grid.dp
-        lossf = lossf.item()                                 # one host sync per step (logging)
-        if not math.isfinite(lossf):
-            raise SystemExit(f"step {it}: loss is {lossf} (gradient norm {gnorm.item():.3g}). Stopping. "
-                             f"Try a lower --learning_rate, --grad_clip, or --tp_codec=none to rule out the codec.")
-        loss_sum, nsum = loss_sum + lossf, nsum + 1
+        # the loss stays on the device (float64, as a Python float would sum it): no host sync in a
+        # step; the host reads it only on the steps below, so it can prepare the next step meanwhile
+        loss_sum, nsum = loss_sum + lossf.detach().double(), nsum + 1
         if bar is not None:
             bar.update(1)
-        if (it + 1) % log_interval == 0 or it == it0:
+        last = it + 1 == max_iters
+        logging = (it + 1) % log_interval == 0 or it == it0
+        evaluating = eval_interval and ((it + 1) % eval_interval == 0 or last)
+        saving = ckpt_interval >= 0 and ((ckpt_interval and (it + 1) % ckpt_interval == 0) or last)
+        if logging or evaluating or saving:
+            mean = (loss_sum / nsum).item()                  # NaN in any step since the last log line shows here
+            if not math.isfinite(mean):
+                raise SystemExit(f"step {it + 1}: loss is {mean} (gradient norm {gnorm.item():.3g}; checked every "
+                                 f"log_interval={log_interval} steps). Stopping. Try a lower --learning_rate, "
+                                 f"--grad_clip, or --tp_codec=none to rule out the codec.")
+        if logging:
             if use_cuda:
                 torch.cuda.synchronize()
             dt = (time.time() - t0) / nsum
-            line = (f"step {it + 1:6d} | loss {loss_sum / nsum:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | "
+            line = (f"step {it + 1:6d} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | "
                     f"{tokens_per_iter / dt:9.0f} tok/s")
             if use_cuda:
                 line += f" | mfu {100 * flops_per_iter / (dt * grid.world * peak_flops):5.1f}%"
@@ -443,20 +451,19 @@ def main():
                 line += f" | dp {dp_stats.wire_bytes / 2 ** 20:8.2f} MiB wire x{dp_stats.ratio:4.2f}"
             if master:
                 log(line)
-            record(iter=it + 1, loss=loss_sum / nsum, lr=lr, ms=dt * 1000, tok_s=tokens_per_iter / dt,
+            record(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens_per_iter / dt,
                    tp_wire_bytes=comm.stats.wire_bytes, tp_ratio=comm.stats.ratio,
                    dp_wire_bytes=dp_stats.wire_bytes, dp_ratio=dp_stats.ratio,
                    pp_wire_bytes=pp_stats.wire_bytes, pp_ratio=pp_stats.ratio,
                    mfu=100 * flops_per_iter / (dt * grid.world * peak_flops) if use_cuda else None)
             t0, loss_sum, nsum = time.time(), 0.0, 0
-        last = it + 1 == max_iters
-        if eval_interval and ((it + 1) % eval_interval == 0 or last):
+        if evaluating:
             ev = evaluate(it)
             if master:
                 log(f"step {it + 1:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}")
             record(iter=it + 1, train_loss=ev["train"], val_loss=ev["val"])
             t0 = time.time()
-        if ckpt_interval >= 0 and ((ckpt_interval and (it + 1) % ckpt_interval == 0) or last):
+        if saving:
             save_checkpoint(out_dir, grid, model, opt, it + 1, cfg)
     if bar is not None:
         bar.close()
