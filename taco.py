@@ -82,6 +82,7 @@ What we measured (README.md has the tables; results/ the raw numbers and command
   host-staged (README).
 """
 import functools
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -585,10 +586,16 @@ def _use_kernels():
 
 
 def kernels_support(codec):
-    """The kernels are built for B = 256 and cover the block- and scale-free codecs; the
-    per-tensor-scale ablations (`fp8-tensor`, `hadamard`) need a grid-wide absmax and other block
-    sizes need other register layouts: those run on the reference, also on the GPU."""
-    return codec.spec.scale != "tensor" and codec.B == 256 and codec.spec.fmt != "int4"
+    """The kernels are built for B = 256 and for the (format, rotation, scale) of the codecs in
+    CODECS that have a block scale or none: rotated + block scale in E4M3, E5M2, INT8, INT6 (taco,
+    its variants, hint8, hint6), and E4M3 also rotated without a scale (ash) and unrotated (ds, fp8);
+    taco_kernels.cu's dispatch() has one instantiation each. The per-tensor-scale ablations
+    (fp8-tensor, hadamard) need a grid-wide absmax, INT4 and other block sizes other layouts: those
+    run on the reference, also on the GPU."""
+    sp = codec.spec
+    if codec.B != 256 or sp.scale == "tensor":
+        return False
+    return sp.fmt == "e4m3" or (sp.rotate and sp.scale == "block" and sp.fmt in ("e5m2", "int8", "int6"))
 
 
 class _Kernels:
@@ -636,12 +643,16 @@ def load_kernels(verbose=False):
     if _KERNELS is not None:
         return _KERNELS
     from torch.utils.cpp_extension import load
-    build = os.path.join(_HERE, "build", "taco_kernels")
+    # TACO_NVCC_FLAGS: extra nvcc flags for kernel work, e.g. "-lineinfo" (ncu source view) or
+    # "-DTACO_K=2"; each set of flags gets its own build directory and module name
+    extra = os.environ.get("TACO_NVCC_FLAGS", "").split()
+    tag = "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
+    build = os.path.join(_HERE, "build", "taco_kernels" + tag)
     os.makedirs(build, exist_ok=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    build_it = lambda: load(name="taco_ext", sources=[os.path.join(_HERE, "taco_binding.cpp"),
-                                                      os.path.join(_HERE, "taco_kernels.cu")],
-                            extra_cuda_cflags=["-O3", "-fmad=false"], extra_include_paths=[_HERE],
+    build_it = lambda: load(name="taco_ext" + tag, sources=[os.path.join(_HERE, "taco_binding.cpp"),
+                                                            os.path.join(_HERE, "taco_kernels.cu")],
+                            extra_cuda_cflags=["-O3", "-fmad=false"] + extra, extra_include_paths=[_HERE],
                             build_directory=build, verbose=verbose)
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if shared and int(os.environ.get("LOCAL_RANK", "0")) != 0:
@@ -807,6 +818,33 @@ class _SymmWorkspace:
             stats.add(2 * (W - 1) * S, 2 * (W - 1) * flat.numel() * flat.element_size() / W)
         return self.run(fn, async_op, then)
 
+    def all_reduce_plain(self, flat, stats, async_op, then=None):
+        """Uncompressed (codec none, transport "symm"): PyTorch's own symmetric-memory two-shot
+        all-reduce, the fastest uncompressed one inside a node (bench.py collective) and so the
+        baseline to beat. Its input must live in symmetric memory: flat is copied in, and the sum
+        is written back to flat (one extra copy of the tensor, which the compressed path avoids:
+        its encode kernel reads flat and writes the buffer)."""
+        n, esize = flat.numel(), flat.element_size()
+        npad = cdiv(n, 16 // esize) * (16 // esize)          # the op wants 16-byte multiples: zero padding
+        nbytes = npad * esize
+        self.reserve(nbytes)
+        op = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
+
+        def fn():
+            buf = self.buf[:nbytes].view(flat.dtype)
+            buf[:n].copy_(flat)
+            if npad > n:
+                buf[n:].zero_()
+            if op is not None and npad == n:
+                op(buf, "sum", self.group_name, flat)
+            else:                                            # in place, then copy back
+                torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+                flat.copy_(buf[:n])
+        if stats is not None:
+            logical = 2 * (self.W - 1) * nbytes / self.W
+            stats.add(logical, logical)
+        return self.run(fn, async_op, then)
+
     def gather_messages(self, cd, x, M, L, msg):
         """Encode x as M messages into my A, then decode message `msg` of every rank's A
         (rank order) into a (W, L) fp32 tensor."""
@@ -837,7 +875,7 @@ def _why_not_symm(x, cd, W):
     env = os.environ.get
     if not x.is_cuda:
         return "the tensor is not on a GPU"
-    if not (isinstance(cd, Codec) and cd._kernel_ok(x)):
+    if cd is not IDENTITY and not (isinstance(cd, Codec) and cd._kernel_ok(x)):
         return f"codec {cd.name} has no fused kernel (the B=256 block codecs have)"
     if W > 8:
         return "more than 8 ranks"
@@ -878,7 +916,8 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     """In-place SUM over `group`, like torch.distributed.all_reduce, two-shot and compressed.
     Returns x; with async_op=True a handle instead, after the first phase has been started (the
     shards compressed and their all-to-all under way): do other work, then handle.wait(), after
-    which x holds the sum. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce.
+    which x holds the sum. codec "none" (or a tensor under min_bytes) is a plain dist.all_reduce,
+    or with transport="symm" PyTorch's symmetric-memory two-shot (_SymmWorkspace.all_reduce_plain).
     transport (symm_workspace): "auto" takes symmetric memory inside a node (one chunk, no NCCL),
     torch.distributed (NCCL or gloo) otherwise; both give the same bits."""
     W = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -887,6 +926,11 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     cd = get_codec(codec, block_size)
     if W == 1:
         return _Pending(None) if async_op else x
+    if cd is IDENTITY and transport == "symm" and n > 0:   # uncompressed over symmetric memory
+        flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
+        then = None if x.is_contiguous() else (lambda: x.copy_(flat.view_as(x)))
+        handle = symm_workspace(x, group, cd, transport).all_reduce_plain(flat, stats, async_op, then)
+        return handle if async_op else x
     if cd is IDENTITY or n * esize < min_bytes or n == 0:
         work = dist.all_reduce(x, group=group, async_op=async_op)
         if stats is not None:

@@ -8,6 +8,8 @@
 
 namespace {
 
+constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco.kernels_support says which)";
+
 // ip = [fmt, adaptive, rotate, scale_block, nmeta, L, S], fp = [tau, eps, c, qmax]
 TacoParams params(const std::vector<int64_t>& ip, const std::vector<double>& fp) {
   TORCH_CHECK(ip.size() == 7 && fp.size() == 4, "taco: bad codec parameters");
@@ -54,16 +56,16 @@ torch::Tensor encode(torch::Tensor x, int64_t M, std::vector<int64_t> ip, std::v
   } else {
     out = torch::empty({M, p.S}, x.options().dtype(torch::kUInt8));
   }
-  taco_encode(x.data_ptr(), dtype_code(x), x.numel(), (int)M, p, out.data_ptr<uint8_t>(),
-              c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(taco_encode(x.data_ptr(), dtype_code(x), x.numel(), (int)M, p, out.data_ptr<uint8_t>(),
+                          c10::cuda::getCurrentCUDAStream()), UNSUPPORTED);
   return out;
 }
 
 torch::Tensor decode(TacoMsgs msgs, int64_t M, torch::Tensor out, std::vector<int64_t> ip, std::vector<double> fp) {
   check(out, "output");
   const c10::cuda::CUDAGuard guard(out.device());
-  taco_decode(msgs, (int)M, params(ip, fp), out.data_ptr(), dtype_code(out), out.numel(),
-              c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(taco_decode(msgs, (int)M, params(ip, fp), out.data_ptr(), dtype_code(out), out.numel(),
+                          c10::cuda::getCurrentCUDAStream()), UNSUPPORTED);
   return out;
 }
 
@@ -74,7 +76,8 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, std::ve
   TacoParams p = params(ip, fp);
   TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.numel() == p.S, "taco: reduce_encode output must be ",
               p.S, " bytes");
-  taco_reduce_encode(msgs, (int)P, p, out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(taco_reduce_encode(msgs, (int)P, p, out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()),
+              UNSUPPORTED);
   return out;
 }
 

@@ -1,46 +1,64 @@
 // taco_kernels.cu — fused TACO codec kernels: compress, decompress, decompress-reduce-compress.
 //
-// One warp owns one block of B = 256 elements; lane t holds the 8 consecutive elements
-// [8t, 8t+8) in registers, so a block is read from memory once and written once:
+// Work split: a warp owns K = 4 blocks of B = 256 elements and runs them in lock step (all loads
+// issued first, then each stage for the K blocks: independent instructions that hide latency).
+// A block is read from global memory once and written once.
 //
-//   load (16 B per lane for bf16) -> [sum of squares -> alpha] -> Walsh-Hadamard (3 in-register
-//   butterfly stages + 5 xor-shuffle stages) -> absmax (integer max + warp redux) -> scale
-//   -> codes -> 8 B (6 B for INT6) per lane + one lane writes the block's fp32 (alpha, s)
-//
-// Each warp takes K = 4 consecutive blocks and issues their loads before computing; the grid is
-// (blocks per message / (8 warps * K), messages). Measured on H200 (README): 39% of copy bandwidth
-// for compress, 50% for decompress, issue-bound (ncu: ~380 warp instructions per block, the
-// Hadamard's 40 shuffles the largest share).
+// Where each lane keeps its 8 elements of a block (an element's index in the block is b7..b0):
+//   layout A: lane = b7..b3,          register = b2 b1 b0   (8 consecutive elements: global I/O)
+//   layout B: lane = b7 b6 | b2 b1 b0, register = b5 b4 b3
+//   layout C: lane = b4..b0,          register = b7 b6 b5
+// The Walsh-Hadamard butterflies run in the reference's order, strides 1, 2, 4 in layout A,
+// 8, 16, 32 in B and 64, 128 in C, every one between two registers of one lane. The layouts change
+// through a per-block shared-memory buffer (A -> B -> C, then back to A as bytes for the codes or as
+// floats for the decoded values), padded so that no access has a bank conflict. The previous
+// version did strides 8..128 with warp shuffles (40 per lane and block) and was issue-bound at
+// 40-50% of copy bandwidth (README, "Fused kernels").
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
-// fp32 products and sums built without FMA contraction (build with -fmad=false; the one explicit
-// FMA multiplies by +-1, which is exact), the sum of squares folded in the reference's order, IEEE
-// division and sqrt. That is what makes the codes bit-identical to the PyTorch reference.
+// fp32 products and sums without FMA contraction (built with -fmad=false), the sum of squares
+// folded in the reference's order, IEEE division and sqrt. That makes the codes bit-identical to
+// the PyTorch reference. Two shortcuts are exact and guarded (see encode / decode): 1/sqrt(B) =
+// 1/16 is a power of two, so it is folded into the block's scale where no value can be subnormal
+// or overflow; integers are rounded with the 1.5 * 2^23 trick and converted back the same way.
 //
-// Plain CUDA: no PyTorch headers, so an edit here recompiles in a couple of seconds.
+// Plain CUDA: no PyTorch headers, so an edit here recompiles in seconds.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include "taco_kernels.h"
 
+// build-time knobs, to compare variants (TACO_NVCC_FLAGS="-DTACO_K=2", README "Fused kernels")
+#ifndef TACO_K
+#define TACO_K 4          // blocks per warp and group
+#endif
+#ifndef TACO_PREFETCH
+#define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
+#endif
+
 namespace {
 
-constexpr int B = 256;          // block size the kernels are built for
-constexpr int E = 8;            // elements per lane
-constexpr int WARPS = 8;        // warps (data blocks) per CTA
+constexpr int B = 256;                 // block size the kernels are built for
+constexpr int E = 8;                   // elements per lane
+constexpr int WARPS = 8;               // warps per CTA
+constexpr int K = TACO_K;              // blocks per warp in encode / decode
+constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
+constexpr bool PREFETCH = TACO_PREFETCH;
+constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
 constexpr unsigned FULL = 0xffffffffu;
 constexpr unsigned CANONICAL_NAN = 0x7fc00000u;   // what torch.tensor(float("nan")) stores
+constexpr float MAGIC = 12582912.f;    // 1.5 * 2^23: y + MAGIC holds round(y) in its low mantissa bits
+constexpr float C = 0.0625f;           // 1 / sqrt(B)
 
-// --- loads and stores of 8 consecutive elements ------------------------------------------------
+// --- loads and stores of 8 consecutive elements (dtype decided per call: a warp-uniform branch) ---
 
 __device__ __forceinline__ float bits_to_float(unsigned short b, int dt) {
   return dt == TACO_BF16 ? __uint_as_float(((unsigned)b) << 16) : __half2float(__ushort_as_half(b));
 }
 
-template <int DT>
-__device__ __forceinline__ void load8(const void* x, long long n, long long i0, float v[E]) {
-  if (DT == TACO_F32) {
+__device__ __forceinline__ void load8(const void* x, int dt, long long n, long long i0, float v[E]) {
+  if (dt == TACO_F32) {
     const float* p = static_cast<const float*>(x) + i0;
     if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
       float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
@@ -56,23 +74,61 @@ __device__ __forceinline__ void load8(const void* x, long long n, long long i0, 
       unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int k = 0; k < 4; k++) {
-        v[2 * k] = bits_to_float(w[k] & 0xffffu, DT);
-        v[2 * k + 1] = bits_to_float(w[k] >> 16, DT);
+        if (dt == TACO_BF16) {
+          v[2 * k] = __uint_as_float(w[k] << 16);
+          v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        } else {
+          float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+          v[2 * k] = f.x;
+          v[2 * k + 1] = f.y;
+        }
       }
     } else {
 #pragma unroll
-      for (int j = 0; j < E; j++) v[j] = i0 + j < n ? bits_to_float(p[j], DT) : 0.f;
+      for (int j = 0; j < E; j++) v[j] = i0 + j < n ? bits_to_float(p[j], dt) : 0.f;
     }
   }
 }
 
-__device__ __forceinline__ unsigned short float_to_bits(float f, int dt) {
-  return dt == TACO_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(f)) : __half_as_ushort(__float2half_rn(f));
+// 8 consecutive 16-bit elements as raw bits (zeros past n), and their values: the prefetched form
+__device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i0) {
+  const unsigned short* p = static_cast<const unsigned short*>(x) + i0;
+  if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
+  unsigned w[4];
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    const unsigned lo = i0 + 2 * k < n ? p[2 * k] : 0u, hi = i0 + 2 * k + 1 < n ? p[2 * k + 1] : 0u;
+    w[k] = lo | (hi << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <int DT>
-__device__ __forceinline__ void store8(void* out, long long n, long long i0, const float v[E]) {
-  if (DT == TACO_F32) {
+__device__ __forceinline__ void unpack16(uint4 u, int dt, float v[E]) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    if (dt == TACO_BF16) {
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    } else {
+      float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+      v[2 * k] = f.x;
+      v[2 * k + 1] = f.y;
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned pack2(float a, float b, int dt) {   // round to nearest even, a low
+  if (dt == TACO_BF16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<unsigned*>(&h);
+  }
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+
+__device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float v[E]) {
+  if (dt == TACO_F32) {
     float* p = static_cast<float*>(out) + i0;
     if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
       reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -83,299 +139,646 @@ __device__ __forceinline__ void store8(void* out, long long n, long long i0, con
         if (i0 + j < n) p[j] = v[j];
     }
   } else {
+    unsigned w[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = pack2(v[2 * k], v[2 * k + 1], dt);
     unsigned short* p = static_cast<unsigned short*>(out) + i0;
     if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      unsigned w[4];
-#pragma unroll
-      for (int k = 0; k < 4; k++) w[k] = float_to_bits(v[2 * k], DT) | ((unsigned)float_to_bits(v[2 * k + 1], DT) << 16);
       *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
 #pragma unroll
       for (int j = 0; j < E; j++)
-        if (i0 + j < n) p[j] = float_to_bits(v[j], DT);
+        if (i0 + j < n) p[j] = (unsigned short)(w[j / 2] >> (16 * (j & 1)));
     }
   }
 }
 
-// --- warp-level building blocks ------------------------------------------------------------------
+// --- the Walsh-Hadamard transform: butterflies inside a lane, layout changes through shared memory -
 
-// sum over the warp, folding lanes i and i^16, then ^8, ... (the reference's block_sumsq order)
-__device__ __forceinline__ float warp_sum(float a) {
+// the butterflies whose partners differ in register bit H: (a, b) -> (a + b, a - b)
+template <int H>
+__device__ __forceinline__ void butterflies(float v[E]) {
 #pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) a = a + __shfl_xor_sync(FULL, a, m);
-  return a;
-}
-
-// unnormalised Walsh-Hadamard over the warp's 256 elements, butterfly strides 1, 2, ..., 128
-__device__ __forceinline__ void fwht(float v[E], int lane) {
-#pragma unroll
-  for (int h = 1; h < E; h <<= 1) {          // strides 1, 2, 4: inside the lane
-#pragma unroll
-    for (int j = 0; j < E; j++) {
-      if (!(j & h)) {
-        float a = v[j], b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < 32; m <<= 1) {         // strides 8 ... 128: lane t pairs with lane t^m
-    const float sign = (lane & m) ? -1.f : 1.f;
-#pragma unroll
-    for (int j = 0; j < E; j++) {
-      // lower lane: a + b = p + v;  upper lane: a - b = p - v (a is the lower lane's value).
-      // sign * v is exact, so one fused multiply-add rounds exactly like the reference's add/sub.
-      float p = __shfl_xor_sync(FULL, v[j], m);
-      v[j] = __fmaf_rn(sign, v[j], p);
+  for (int j = 0; j < E; j++) {
+    if (!(j & H)) {
+      float a = v[j], b = v[j + H];
+      v[j] = a + b;
+      v[j + H] = a - b;
     }
   }
 }
 
-// --- codes ---------------------------------------------------------------------------------------
+// Shared word of layout-A element j of lane t: 8t + j plus 4 padding words per 32 (= 4 (t >> 2)).
+// Two 16-byte stores per lane; with the padding, each 8-lane phase covers the 32 banks once.
+__device__ __forceinline__ float* a_slot(float* sm, int lane) { return sm + 8 * lane + 4 * (lane >> 2); }
 
-__device__ __forceinline__ int quant(float y, const TacoParams& p) {   // y finite
-  y = fminf(fmaxf(y, -p.qmax), p.qmax);
-  switch (p.fmt) {
-    case TACO_E4M3: return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-    case TACO_E5M2: return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2);
-    default: return __float2int_rn(y);     // round half to even, like torch.round
+__device__ __forceinline__ void put_a(const float v[E], float* sm, int lane) {
+  float4* w = reinterpret_cast<float4*>(a_slot(sm, lane));
+  w[0] = make_float4(v[0], v[1], v[2], v[3]);
+  w[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ void get_a(float v[E], const float* sm, int lane) {
+  const float4* w = reinterpret_cast<const float4*>(a_slot(const_cast<float*>(sm), lane));
+  float4 a = w[0], b = w[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// layout B from layout A in shared memory: lane t reads idx = (t >> 3) * 64 + 8 j + (t & 7);
+// padded word idx + 4 (idx >> 5): one bank per lane for every j
+__device__ __forceinline__ void get_b(float v[E], const float* sm, int lane) {
+  const float* p = sm + (lane >> 3) * 72 + (lane & 7);
+#pragma unroll
+  for (int j = 0; j < E; j++) v[j] = p[8 * j + 4 * (j >> 2)];
+}
+
+// layout B -> shared memory, lane-major with the registers in the order 0 4 1 5 2 6 3 7, so that
+// the two elements a layout-C lane needs from one B lane (b5 = 0, 1) sit side by side
+__device__ __forceinline__ void put_b(const float v[E], float* sm, int lane) {
+  float4* w = reinterpret_cast<float4*>(a_slot(sm, lane));
+  w[0] = make_float4(v[0], v[4], v[1], v[5]);
+  w[1] = make_float4(v[2], v[6], v[3], v[7]);
+}
+
+// layout C: lane u, register m <- idx = u + 32 m, held by B lane (u & 7) + 8 (m >> 1) in
+// slot 2 (u >> 3) + (m & 1): one 8-byte load per pair of registers
+__device__ __forceinline__ void get_c(float v[E], const float* sm, int lane) {
+  const float* p = sm + 8 * (lane & 7) + 4 * ((lane & 7) >> 2) + 2 * (lane >> 3);
+#pragma unroll
+  for (int k = 0; k < 4; k++) {
+    float2 f = *reinterpret_cast<const float2*>(p + 72 * k);
+    v[2 * k] = f.x;
+    v[2 * k + 1] = f.y;
   }
 }
 
-__device__ __forceinline__ float dequant(int code, const TacoParams& p) {
-  switch (p.fmt) {
-    case TACO_E4M3: return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E4M3)));
-    case TACO_E5M2: return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, __NV_E5M2)));
-    case TACO_INT8: return (float)(signed char)code;
-    default: return (float)(((code & 63) ^ 32) - 32);   // sign-extend 6 bits
+// layout C -> shared memory in element order (padded), for get_a
+__device__ __forceinline__ void put_c(const float v[E], float* sm, int lane) {
+#pragma unroll
+  for (int m = 0; m < E; m++) sm[lane + 36 * m] = v[m];
+}
+
+// codes of layout C -> bytes in element order, for get_codes_a
+__device__ __forceinline__ void put_codes_c(const unsigned q[E], float* sm, int lane) {
+  uint8_t* b = reinterpret_cast<uint8_t*>(sm);
+#pragma unroll
+  for (int m = 0; m < E; m++) b[lane + 32 * m] = (uint8_t)q[m];
+}
+
+__device__ __forceinline__ uint2 get_codes_a(const float* sm, int lane) {
+  return *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(sm) + 8 * lane);
+}
+
+// H (unnormalised) of the N blocks in v, layout A in, layout C out. sm: N buffers of SMW words.
+template <int N>
+__device__ __forceinline__ void fwht_a_to_c(float (&v)[N][E], float (*sm)[SMW], int lane) {
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    butterflies<1>(v[k]); butterflies<2>(v[k]); butterflies<4>(v[k]);   // strides 1, 2, 4
+    put_a(v[k], sm[k], lane);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    get_b(v[k], sm[k], lane);
+    butterflies<1>(v[k]); butterflies<2>(v[k]); butterflies<4>(v[k]);   // strides 8, 16, 32
+  }
+  __syncwarp();                                                         // all reads of A done
+#pragma unroll
+  for (int k = 0; k < N; k++) put_b(v[k], sm[k], lane);
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    get_c(v[k], sm[k], lane);
+    butterflies<2>(v[k]); butterflies<4>(v[k]);                         // strides 64, 128
   }
 }
 
-__device__ __forceinline__ int payload_bytes(const TacoParams& p) { return p.fmt == TACO_INT6 ? 192 : 256; }
+// --- warp reductions ------------------------------------------------------------------------------
 
-__device__ __forceinline__ void write_codes(uint8_t* blk, int lane, const int q[E], const TacoParams& p) {
-  if (p.fmt == TACO_INT6) {                   // 8 codes -> 6 bytes: two groups of w = u0|u1<<6|u2<<12|u3<<18
+__device__ __forceinline__ float max_nan(float a, float b) {   // NaN-propagating, like torch.amax
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// max |v| over the block as bits: NaN > Inf > finite in integer order, so one test finds both
+__device__ __forceinline__ unsigned absmax_bits(const float v[E]) {
+  float m01 = max_nan(fabsf(v[0]), fabsf(v[1])), m23 = max_nan(fabsf(v[2]), fabsf(v[3]));
+  float m45 = max_nan(fabsf(v[4]), fabsf(v[5])), m67 = max_nan(fabsf(v[6]), fabsf(v[7]));
+  float m = max_nan(max_nan(m01, m23), max_nan(m45, m67));
+  return __reduce_max_sync(FULL, __float_as_uint(m));
+}
+
+// Per-block scalars (alpha, s, 1/s: IEEE sqrt and divisions, a dozen instructions each) are
+// computed once per block, not by all 32 lanes: lane k takes block k's, then a shuffle per block
+// gives every lane the values.
+template <int N>
+__device__ __forceinline__ float lane_pick(const float (&x)[N], int lane) {   // lane k < N: x[k]
+  float r = x[0];
+#pragma unroll
+  for (int k = 1; k < N; k++) r = lane == k ? x[k] : r;
+  return r;
+}
+
+template <int N>
+__device__ __forceinline__ void lane_spread(float mine, float (&x)[N]) {      // x[k] = lane k's value
+#pragma unroll
+  for (int k = 0; k < N; k++) x[k] = __shfl_sync(FULL, mine, k);
+}
+
+// --- codes ----------------------------------------------------------------------------------------
+
+// q[j]'s low byte = the code of y[j] (INT6: its low 6 bits). y finite or (fp8 only) saturated.
+template <int FMT, bool CLAMP>
+__device__ __forceinline__ void quant8(const float y[E], unsigned q[E], float qmax) {
+  if (FMT == TACO_INT8 || FMT == TACO_INT6) {
+#pragma unroll
+    for (int j = 0; j < E; j++) {   // |y| < qmax + 1/2 after a block scale: the clamp changes nothing
+      float c = CLAMP ? fminf(fmaxf(y[j], -qmax), qmax) : y[j];
+      q[j] = __float_as_uint(c + MAGIC);   // round half to even, like torch.round; two's complement
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; j += 2) {       // saturating: the same codes as clamp(+-qmax) then cast
+      __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(y[j], y[j + 1]), __NV_SATFINITE,
+                                                        FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2);
+      q[j] = r & 0xffu;
+      q[j + 1] = r >> 8;
+    }
+  }
+}
+
+// 8 codes of a lane, low byte first in two words -> the block's payload
+template <int FMT>
+__device__ __forceinline__ void write_codes(uint8_t* blk, int lane, unsigned lo, unsigned hi) {
+  if (FMT == TACO_INT6) {          // 8 codes -> 6 bytes: two groups of w = u0|u1<<6|u2<<12|u3<<18
+    const unsigned a = lo & 0x3f3f3f3fu, b = hi & 0x3f3f3f3fu;
+    const unsigned w0 = (a & 0x3fu) | ((a >> 2) & 0xfc0u) | ((a >> 4) & 0x3f000u) | ((a >> 6) & 0xfc0000u);
+    const unsigned w1 = (b & 0x3fu) | ((b >> 2) & 0xfc0u) | ((b >> 4) & 0x3f000u) | ((b >> 6) & 0xfc0000u);
     unsigned short* dst = reinterpret_cast<unsigned short*>(blk + 6 * lane);
-    unsigned w0 = (q[0] & 63) | ((q[1] & 63) << 6) | ((q[2] & 63) << 12) | ((q[3] & 63) << 18);
-    unsigned w1 = (q[4] & 63) | ((q[5] & 63) << 6) | ((q[6] & 63) << 12) | ((q[7] & 63) << 18);
     dst[0] = w0 & 0xffff;
     dst[1] = (w0 >> 16) | ((w1 & 0xff) << 8);
     dst[2] = w1 >> 8;
   } else {
-    unsigned lo = 0, hi = 0;
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      lo |= (unsigned)(q[j] & 255) << (8 * j);
-      hi |= (unsigned)(q[j + 4] & 255) << (8 * j);
-    }
     *reinterpret_cast<uint2*>(blk + 8 * lane) = make_uint2(lo, hi);
   }
 }
 
-__device__ __forceinline__ void read_codes(const uint8_t* blk, int lane, float v[E], const TacoParams& p) {
-  int q[E];
-  if (p.fmt == TACO_INT6) {
+template <int FMT>
+__device__ __forceinline__ int payload_bytes() { return FMT == TACO_INT6 ? 192 : 256; }
+
+// one lane's codes of one block (INT6: 4 codes of 6 bits in each word) and the block's metadata
+struct Raw {
+  unsigned lo, hi;
+  float s, alpha;
+};
+
+template <int FMT>
+__device__ __forceinline__ Raw load_raw(const uint8_t* msg, long long lb, long long nbs, int lane,
+                                        const TacoParams& p) {
+  Raw r;
+  const uint8_t* blk = msg + lb * payload_bytes<FMT>();
+  if (FMT == TACO_INT6) {
     const unsigned short* src = reinterpret_cast<const unsigned short*>(blk + 6 * lane);
     unsigned a = src[0], b = src[1], c = src[2];
-    unsigned w0 = a | ((b & 0xff) << 16), w1 = (b >> 8) | (c << 8);
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-      q[j] = (w0 >> (6 * j)) & 63;
-      q[j + 4] = (w1 >> (6 * j)) & 63;
-    }
+    r.lo = a | ((b & 0xff) << 16);
+    r.hi = (b >> 8) | (c << 8);
   } else {
     uint2 u = *reinterpret_cast<const uint2*>(blk + 8 * lane);
+    r.lo = u.x;
+    r.hi = u.y;
+  }
+  const float* meta = reinterpret_cast<const float*>(msg + nbs * payload_bytes<FMT>()) + lb * p.nmeta;
+  r.s = p.scale_block ? meta[p.nmeta - 1] : 1.f;
+  r.alpha = p.adaptive ? meta[0] : 1.f;
+  return r;
+}
+
+// codes -> values, layout A. Integers come back exactly: the code, biased to be non-negative, as the
+// low mantissa bits of 1.5 * 2^23, minus the same constant.
+template <int FMT>
+__device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
+  if (FMT == TACO_INT8) {
+    const unsigned lo = r.lo ^ 0x80808080u, hi = r.hi ^ 0x80808080u;      // k -> k + 128
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-      q[j] = (u.x >> (8 * j)) & 255;
-      q[j + 4] = (u.y >> (8 * j)) & 255;
+      v[j] = __uint_as_float(__byte_perm(lo, 0x4B400000u, 0x7650 + j)) - (MAGIC + 128.f);
+      v[j + 4] = __uint_as_float(__byte_perm(hi, 0x4B400000u, 0x7650 + j)) - (MAGIC + 128.f);
+    }
+  } else if (FMT == TACO_INT6) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {                                        // k -> k + 32
+      v[j] = __uint_as_float(((r.lo >> (6 * j)) & 63u) ^ 0x4B400020u) - (MAGIC + 32.f);
+      v[j + 4] = __uint_as_float(((r.hi >> (6 * j)) & 63u) ^ 0x4B400020u) - (MAGIC + 32.f);
+    }
+  } else {
+    const __nv_fp8_interpretation_t f = FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2;
+    const unsigned w[2] = {r.lo, r.hi};
+#pragma unroll
+    for (int j = 0; j < E; j += 2) {                                      // fp8 -> fp16 -> fp32: exact
+      __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[j / 4] >> (8 * (j & 3))), f);
+      float2 x = __half22float2(*reinterpret_cast<__half2*>(&h));
+      v[j] = x.x;
+      v[j + 1] = x.y;
     }
   }
-#pragma unroll
-  for (int j = 0; j < E; j++) v[j] = dequant(q[j], p);
 }
 
-// --- one block, encode and decode (shared by the three kernels) ----------------------------------
+// --- encode N blocks (layout A in registers) into a message -----------------------------------------
 
-// msg: start of this message's bytes; lb: block index in the message; nbs: blocks per message
-__device__ __forceinline__ void encode_block(float v[E], int lane, const TacoParams& p, uint8_t* msg,
-                                             long long lb, long long nbs) {
-  // A block is bad (codes 0, metadata NaN) when it holds NaN/Inf or its arithmetic overflows. We
-  // test that where it shows anyway instead of scanning the input: a NaN/Inf input makes the sum
-  // of squares non-finite (adaptive codecs) and every rotated value non-finite (Hadamard), and
-  // the absmax sees it in any case. Same predicate as the reference's, fewer instructions.
-  bool bad = false;
-  float alpha = 1.f, s = 1.f;
+// msg: the message's bytes; blocks first .. first + N - 1 of nbs, of which the first nk are real
+template <int FMT, bool ROT, bool SCALE, int N>
+__device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane, const TacoParams& p,
+                                              uint8_t* msg, long long first, long long nbs, float (*sm)[SMW]) {
+  // A block is bad (codes 0, metadata NaN) when it holds NaN/Inf or its arithmetic overflows: the
+  // reference's predicate, tested where it shows anyway (a non-finite input makes the sum of squares
+  // non-finite, and every rotated value; the absmax sees it in any case).
+  bool bad[N];
+  float alpha[N], alpha_mine = 1.f;             // alpha_mine, s_mine: lane k's copy of block k's
+#pragma unroll
+  for (int k = 0; k < N; k++) { bad[k] = false; alpha[k] = 1.f; }
+
   // === Eq. 6-7: alpha = tau / sqrt(mean(G^2) + eps) ===
   if (p.adaptive) {
-    float ss = v[0] * v[0];
+    float ss[N];
 #pragma unroll
-    for (int j = 1; j < E; j++) ss = ss + v[j] * v[j];
-    ss = warp_sum(ss);
-    float sigma = sqrtf(ss * (1.0f / B) + p.eps);
-    alpha = p.tau / sigma;
-    bad = !isfinite(ss);
+    for (int k = 0; k < N; k++) {
+      ss[k] = v[k][0] * v[k][0];
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * alpha;
+      for (int j = 1; j < E; j++) ss[k] = ss[k] + v[k][j] * v[k][j];
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1)            // the reference's order: lanes i and i^16, then ^8, ...
+#pragma unroll
+      for (int k = 0; k < N; k++) ss[k] = ss[k] + __shfl_xor_sync(FULL, ss[k], m);
+    alpha_mine = p.tau / sqrtf(lane_pick<N>(ss, lane) * (1.0f / B) + p.eps);
+    lane_spread<N>(alpha_mine, alpha);
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+      bad[k] = !isfinite(ss[k]);
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * alpha[k];
+    }
   }
-  // === Eq. 8: Z = H(alpha G) / sqrt(B) ===
-  if (p.rotate) {
-    fwht(v, lane);
+
+  // === Eq. 8: Z = H(alpha G) / sqrt(B), the 1/sqrt(B) applied below ===
+  if (ROT) fwht_a_to_c<N>(v, sm, lane);
+
+  // === Eq. 9: s = max|Z| / Qmax;  Eq. 10: codes of Z / s ===
+  float s_mine = 1.f;
+  if (SCALE) {
+    float m[N], mul[N];
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * p.c;
+    for (int k = 0; k < N; k++) {
+      const unsigned mb = absmax_bits(v[k]);
+      bad[k] |= mb >= 0x7f800000u;
+      m[k] = __uint_as_float(mb);
+    }
+    const float mm = lane_pick<N>(m, lane);
+    if (ROT) {
+      // m * C is max|H * C| exactly (a power of two; m >= 2^-80 is far from subnormal). Then
+      // v * (inv * C) == (v * C) * inv for every v whose product v * C is exact, and the others
+      // (|v * C| < 2^-126) give code 0 both ways, as |v| / m < 2^-46. Below 2^-80: the
+      // reference's own order (v * C first).
+      s_mine = mm * C / p.qmax;
+      const float inv = 1.f / (s_mine > 0.f ? s_mine : 1.f);
+      lane_spread<N>(mm >= 0x1p-80f ? inv * C : inv, mul);
+#pragma unroll
+      for (int k = 0; k < N; k++) {
+        if (!(m[k] >= 0x1p-80f)) {
+#pragma unroll
+          for (int j = 0; j < E; j++) v[k][j] = v[k][j] * C;
+        }
+      }
+    } else {
+      s_mine = mm / p.qmax;
+      lane_spread<N>(1.f / (s_mine > 0.f ? s_mine : 1.f), mul);
+    }
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
+  } else if (ROT) {
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * C;
   }
-  // === Eq. 9: s = max|Z| / Qmax ===
-  if (p.scale_block) {
-    // |v| as integer bits is ordered like |v|, and NaN > Inf > finite: one integer max per value
-    // and one warp-wide redux give the absmax and the non-finite test together
-    unsigned mb = 0;
+
+  // codes (a bad block's are zeroed below, as whole words); without a block scale, integer codes
+  // are clamped to +-Qmax (fp8 saturates in the conversion)
+  const bool raw = !p.adaptive && !SCALE;            // plain cast: a NaN code per non-finite element
+  unsigned q[N][E];
 #pragma unroll
-    for (int j = 0; j < E; j++) mb = max(mb, __float_as_uint(v[j]) & 0x7fffffffu);
-    mb = __reduce_max_sync(FULL, mb);
-    bad |= mb >= 0x7f800000u;
-    s = __uint_as_float(mb) / p.qmax;
-    const float inv = 1.f / (s > 0.f ? s : 1.f);      // one IEEE division per block
+  for (int k = 0; k < N; k++) {
+    quant8<FMT, !SCALE>(v[k], q[k], p.qmax);
+    if (raw) {
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * inv;
+      for (int j = 0; j < E; j++)
+        if (!isfinite(v[k][j])) q[k][j] = 0x7f;
+    }
   }
-  // === Eq. 10: codes (the raw cast, no scale at all: a NaN code per non-finite element) ===
-  const bool raw = !p.adaptive && !p.scale_block;
-  int q[E];
+
+  const int pb = payload_bytes<FMT>();
+  if (ROT) {                          // codes are in layout C: back to element order through shared memory
+    __syncwarp();                     // every lane is done reading the layout-B words
 #pragma unroll
-  for (int j = 0; j < E; j++) {
-    if (raw) q[j] = isfinite(v[j]) ? quant(v[j], p) : 0x7f;
-    else q[j] = bad ? 0 : quant(v[j], p);
+    for (int k = 0; k < N; k++) put_codes_c(q[k], sm[k], lane);
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+      if (k < nk) {
+        const uint2 w = get_codes_a(sm[k], lane);
+        write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : w.x, bad[k] ? 0u : w.y);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+      if (k < nk) {
+        const unsigned lo = __byte_perm(__byte_perm(q[k][0], q[k][1], 0x0040), __byte_perm(q[k][2], q[k][3], 0x0040), 0x5410);
+        const unsigned hi = __byte_perm(__byte_perm(q[k][4], q[k][5], 0x0040), __byte_perm(q[k][6], q[k][7], 0x0040), 0x5410);
+        write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : lo, bad[k] ? 0u : hi);
+      }
+    }
   }
-  const int pb = payload_bytes(p);
-  write_codes(msg + lb * pb, lane, q, p);
-  if (lane == 0) {
-    float* meta = reinterpret_cast<float*>(msg + nbs * pb) + lb * p.nmeta;
+
+  // metadata: lane k writes block k's (alpha, s); the last block's writer zeroes the padding
+  if (lane < nk) {
+    const long long lb = first + lane;
+    bool bad_mine = bad[0];
+#pragma unroll
+    for (int k = 1; k < N; k++) bad_mine = lane == k ? bad[k] : bad_mine;
     const float nan = __uint_as_float(CANONICAL_NAN);
-    int k = 0;
-    if (p.adaptive) meta[k++] = bad ? nan : alpha;
-    if (p.scale_block) meta[k] = bad ? nan : s;
-    if (lb == nbs - 1) {                      // zero the message's padding to a multiple of 16 bytes
-      for (long long i = nbs * (pb + 4 * p.nmeta); i < p.S; i++) msg[i] = 0;
+    float* meta = reinterpret_cast<float*>(msg + nbs * pb) + lb * p.nmeta;
+    int i = 0;
+    if (p.adaptive) meta[i++] = bad_mine ? nan : alpha_mine;
+    if (SCALE) meta[i] = bad_mine ? nan : s_mine;
+    if (lb == nbs - 1) {
+      for (long long b = nbs * (pb + 4 * p.nmeta); b < p.S; b++) msg[b] = 0;
     }
   }
 }
 
-struct BlockMeta { float s, inv_alpha; };
+// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) ------------------------
 
-__device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i, long long S) {
-  return m.n_ptr ? m.ptr[i] : m.base + i * S;
-}
-
-// decode, part 1: the loads (codes and metadata) of one block
-__device__ __forceinline__ BlockMeta load_block(const uint8_t* msg, long long lb, long long nbs, int lane,
-                                                const TacoParams& p, float v[E]) {
-  const int pb = payload_bytes(p);
-  read_codes(msg + lb * pb, lane, v, p);
-  const float* meta = reinterpret_cast<const float*>(msg + nbs * pb) + lb * p.nmeta;
-  BlockMeta bm{1.f, 1.f};
-  if (p.scale_block) bm.s = meta[p.nmeta - 1];
-  if (p.adaptive) bm.inv_alpha = 1.f / meta[0];
-  return bm;
-}
-
-// decode, part 2: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha)
-__device__ __forceinline__ void finish_decode(float v[E], BlockMeta bm, int lane, const TacoParams& p) {
-  if (p.scale_block) {
+// r: the blocks' codes; v: out, layout A if TO_A else (with ROT) layout C
+template <int FMT, bool ROT, bool SCALE, int N, bool TO_A>
+__device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E], int lane, const TacoParams& p,
+                                              float (*sm)[SMW]) {
+  bool fast[N];
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * bm.s;
+  for (int k = 0; k < N; k++) {
+    dequant8<FMT>(r[k], v[k]);
+    // With 2^-90 <= s <= 2^100 every q s is a multiple of 2^-113 and H(q s) < 2^117: scaling by
+    // 1/16 before the transform is exact and gives exactly H(q s) / 16. Otherwise the reference's order.
+    fast[k] = ROT && SCALE && r[k].s >= 0x1p-90f && r[k].s <= 0x1p100f;
+    if (SCALE) {
+      const float pre = fast[k] ? r[k].s * C : r[k].s;
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
+    }
   }
-  if (p.rotate) {
-    fwht(v, lane);
+  if (ROT) {
+    fwht_a_to_c<N>(v, sm, lane);
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * p.c;
+    for (int k = 0; k < N; k++) {
+      if (!fast[k]) {
+#pragma unroll
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * C;
+      }
+    }
   }
   if (p.adaptive) {
+    float a[N], ia[N];
 #pragma unroll
-    for (int j = 0; j < E; j++) v[j] = v[j] * bm.inv_alpha;
+    for (int k = 0; k < N; k++) a[k] = r[k].alpha;
+    lane_spread<N>(1.f / lane_pick<N>(a, lane), ia);
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * ia[k];
+  }
+  if (ROT && TO_A) {
+    __syncwarp();                     // every lane is done reading the layout-B words
+#pragma unroll
+    for (int k = 0; k < N; k++) put_c(v[k], sm[k], lane);
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < N; k++) get_a(v[k], sm[k], lane);
   }
 }
 
-// --- kernels: each warp takes K consecutive blocks and issues all their loads before computing ----
-
-constexpr int K = 4;
-
-// grid: (blocks of a message / (WARPS * K), messages); blockIdx.y is the message, so no division
-template <int DT>
-__global__ void __launch_bounds__(32 * WARPS) encode_kernel(const void* x, long long n, TacoParams p, uint8_t* out) {
-  const int lane = threadIdx.x & 31;
-  const long long nbs = p.L / B, msg = blockIdx.y;
-  const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
-  float v[K][E];
+// message i's bytes; the peer pointers are picked with constant indices (an indexed kernel
+// parameter would be copied to local memory by every thread)
+__device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i, long long S) {
+  if (!m.n_ptr) return m.base + i * S;
+  const uint8_t* q = m.ptr[0];
 #pragma unroll
-  for (int k = 0; k < K; k++)                 // lb is the same for the whole warp: no divergence
-    if (first + k < nbs) load8<DT>(x, n, msg * p.L + (first + k) * B + lane * E, v[k]);
-#pragma unroll
-  for (int k = 0; k < K; k++)
-    if (first + k < nbs) encode_block(v[k], lane, p, out + msg * p.S, first + k, nbs);
+  for (int k = 1; k < TACO_MAX_PEERS; k++) q = i == k ? m.ptr[k] : q;
+  return q;
 }
 
-template <int DT>
-__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, long long n) {
-  const int lane = threadIdx.x & 31;
-  const long long nbs = p.L / B, msg = blockIdx.y;
-  const long long first = ((long long)blockIdx.x * WARPS + (threadIdx.x >> 5)) * K;
-  float v[K][E];
-  BlockMeta bm[K];
+// INT6 decodes faster without the prefetch (measured: 58% vs 52% of copy bandwidth at 64M)
+template <int FMT>
+__host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TACO_INT6; }
+
+// --- kernels: grid (groups of WARPS * K blocks, messages); with PREFETCH the grid is capped and each
+// warp strides over groups, issuing the next group's loads before this group's math ---------------
+
+// at most 80 registers (ptxas wants 84, which allots 88: two CTAs per SM instead of three; measured
+// 85 us vs see README for 64M elements); costs a 16-byte spill
+template <int FMT, bool ROT, bool SCALE>
+__global__ void __launch_bounds__(32 * WARPS, 3) encode_kernel(const void* x, int dt, long long n, TacoParams p,
+                                                           uint8_t* out) {
+  __shared__ __align__(16) float smem[WARPS][K][SMW];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nbs = p.L / B, msg = blockIdx.y, base = msg * p.L + lane * E;
+  const long long step = (long long)gridDim.x * WARPS * K;
+  long long first = ((long long)blockIdx.x * WARPS + warp) * K;
+  if (first >= nbs) return;                    // the whole warp: no lane waits at a __syncwarp
+  const bool ahead = PREFETCH && dt != TACO_F32;   // 16-bit inputs: 16 bytes per lane and block
+  uint4 pre[K];
+  if (ahead) {
 #pragma unroll
-  for (int k = 0; k < K; k++)                 // skip blocks wholly past n
-    if (first + k < nbs && msg * p.L + (first + k) * B < n)
-      bm[k] = load_block(message(buf, msg, p.S), first + k, nbs, lane, p, v[k]);
+    for (int k = 0; k < K; k++) pre[k] = first + k < nbs ? fetch16(x, n, base + (first + k) * B) : make_uint4(0, 0, 0, 0);
+  }
+  for (;;) {
+    const int nk = (int)min((long long)K, nbs - first);
+    float v[K][E];
 #pragma unroll
-  for (int k = 0; k < K; k++) {
-    const long long i0 = msg * p.L + (first + k) * B;
-    if (first + k < nbs && i0 < n) {
-      finish_decode(v[k], bm[k], lane, p);
-      store8<DT>(out, n, i0 + lane * E, v[k]);
+    for (int k = 0; k < K; k++) {
+      if (ahead) unpack16(pre[k], dt, v[k]);
+      else if (k < nk) load8(x, dt, n, base + (first + k) * B, v[k]);
+      else
+#pragma unroll
+        for (int j = 0; j < E; j++) v[k][j] = 0.f;
     }
+    const long long next = first + step;
+    if (ahead && next < nbs) {
+#pragma unroll
+      for (int k = 0; k < K; k++) pre[k] = next + k < nbs ? fetch16(x, n, base + (next + k) * B) : make_uint4(0, 0, 0, 0);
+    }
+    encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, out + msg * p.S, first, nbs, smem[warp]);
+    if (next >= nbs) break;
+    first = next;
+    __syncwarp();                              // this group's shared-memory reads are done
   }
 }
 
+template <int FMT, bool ROT, bool SCALE>
+__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt,
+                                                           long long n) {
+  __shared__ __align__(16) float smem[WARPS][K][SMW];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long nbs = p.L / B, msg = blockIdx.y;
+  const long long step = (long long)gridDim.x * WARPS * K;
+  // blocks of the group at `first` that hold elements < n (blocks wholly past n are not decoded)
+  auto blocks_at = [&](long long first) -> int {
+    const long long i0 = msg * p.L + first * B;
+    if (first >= nbs || i0 >= n) return 0;
+    return (int)min(min((long long)K, nbs - first), (n - i0 + B - 1) / B);
+  };
+  long long first = ((long long)blockIdx.x * WARPS + warp) * K;
+  int nk = blocks_at(first);
+  if (nk == 0) return;
+  const uint8_t* m = message(buf, msg, p.S);
+  Raw r[K];
+#pragma unroll
+  for (int k = 0; k < K; k++) r[k] = load_raw<FMT>(m, k < nk ? first + k : first, nbs, lane, p);
+  for (;;) {
+    const long long next = first + step;
+    const int nk_next = blocks_at(next);       // 0 unless the grid was capped (decode_ahead)
+    Raw rn[K];
+    if (decode_ahead<FMT>() && nk_next) {
+#pragma unroll
+      for (int k = 0; k < K; k++) rn[k] = load_raw<FMT>(m, k < nk_next ? next + k : next, nbs, lane, p);
+    }
+    float v[K][E];
+    decode_blocks<FMT, ROT, SCALE, K, true>(r, v, lane, p, smem[warp]);
+    const long long i0 = msg * p.L + first * B + lane * E;
+#pragma unroll
+    for (int k = 0; k < K; k++)
+      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
+    if (!nk_next) break;
+#pragma unroll
+    for (int k = 0; k < K; k++) r[k] = decode_ahead<FMT>() ? rn[k] : load_raw<FMT>(m, k < nk_next ? next + k : next, nbs, lane, p);
+    first = next;
+    nk = nk_next;
+    __syncwarp();                              // this group's shared-memory reads are done
+  }
+}
+
+template <int FMT, bool ROT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p,
                                                                    uint8_t* out) {
-  const int lane = threadIdx.x & 31;
+  __shared__ __align__(16) float smem[WARPS][KR][SMW];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nbs = p.L / B;
-  const long long lb = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (lb >= nbs) return;
-  float acc[E], v[E];
-  finish_decode(acc, load_block(message(buf, 0, p.S), lb, nbs, lane, p, acc), lane, p);
-  for (int r = 1; r < P; r++) {               // fp32 sum in rank order 0, 1, ..., P-1
-    finish_decode(v, load_block(message(buf, r, p.S), lb, nbs, lane, p, v), lane, p);
+  const long long first = ((long long)blockIdx.x * WARPS + warp) * KR;
+  if (first >= nbs) return;
+  const int nk = (int)min((long long)KR, nbs - first);
+  float acc[KR][E], v[KR][E];
+  Raw r[KR], next[KR];
 #pragma unroll
-    for (int j = 0; j < E; j++) acc[j] = acc[j] + v[j];
+  for (int k = 0; k < KR; k++) r[k] = load_raw<FMT>(message(buf, 0, p.S), k < nk ? first + k : first, nbs, lane, p);
+  for (int i = 0; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
+    if (i + 1 < P) {                          // the next message's loads go out before this one's math
+#pragma unroll
+      for (int k = 0; k < KR; k++)
+        next[k] = load_raw<FMT>(message(buf, i + 1, p.S), k < nk ? first + k : first, nbs, lane, p);
+    }
+    __syncwarp();                             // the previous decode's shared-memory reads are done
+    decode_blocks<FMT, ROT, SCALE, KR, false>(r, v, lane, p, smem[warp]);
+#pragma unroll
+    for (int k = 0; k < KR; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) acc[k][j] = i == 0 ? v[k][j] : acc[k][j] + v[k][j];
+#pragma unroll
+    for (int k = 0; k < KR; k++) r[k] = next[k];
   }
-  encode_block(acc, lane, p, out, lb, nbs);
+  if (ROT) {                                  // the sums are in layout C; encode starts from layout A
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < KR; k++) put_c(acc[k], smem[warp][k], lane);
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < KR; k++) get_a(acc[k], smem[warp][k], lane);
+    __syncwarp();
+  }
+  encode_blocks<FMT, ROT, SCALE, KR>(acc, nk, lane, p, out, first, nbs, smem[warp]);
 }
 
 unsigned grid_for(long long blocks, int per_warp) {
   return (unsigned)((blocks + WARPS * per_warp - 1) / (WARPS * per_warp));
 }
 
+// with the prefetch: about two waves of CTAs (3 fit on an SM at 80 registers), each warp looping over
+// groups; without: one group per warp
+unsigned groups_grid(long long blocks, int M, bool ahead) {
+  const unsigned all = grid_for(blocks, K);
+  if (!ahead) return all;
+  static int sms[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 64 && !sms[dev]) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+  const long long cap = (long long)(dev < 64 && sms[dev] ? sms[dev] : 132) * 8 / M;
+  return (unsigned)max(1LL, min((long long)all, cap));
+}
+
+// one instantiation per (code format, rotation, block scale); the adaptive scale and the dtype are
+// warp-uniform branches inside
+template <int FMT, bool ROT, bool SCALE>
+void launch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
+            cudaStream_t st) {
+  const long long blocks = p.L / B;
+  if (op == 0) {
+    encode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, PREFETCH), M), 32 * WARPS, 0, st>>>(
+        x, dt, n, p, (uint8_t*)out);
+  } else if (op == 1) {
+    decode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, decode_ahead<FMT>()), M), 32 * WARPS, 0, st>>>(
+        buf, p, out, dt, n);
+  } else {
+    reduce_encode_kernel<FMT, ROT, SCALE><<<grid_for(blocks, KR), 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
+  }
+}
+
+// The codecs of taco.CODECS that the kernels cover (taco.kernels_support says the same): rotated
+// with a block scale in every format; E4M3 also rotated without a scale (ash), and unrotated with
+// (ds) or without (fp8) a block scale. False: not built.
+bool dispatch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
+              cudaStream_t st) {
+  const bool rot = p.rotate, scale = p.scale_block;
+  if (p.fmt == TACO_E4M3) {
+    if (rot && scale) launch<TACO_E4M3, true, true>(op, x, dt, n, buf, M, p, out, st);
+    else if (rot) launch<TACO_E4M3, true, false>(op, x, dt, n, buf, M, p, out, st);
+    else if (scale) launch<TACO_E4M3, false, true>(op, x, dt, n, buf, M, p, out, st);
+    else launch<TACO_E4M3, false, false>(op, x, dt, n, buf, M, p, out, st);
+    return true;
+  }
+  if (!rot || !scale) return false;
+  switch (p.fmt) {
+    case TACO_E5M2: launch<TACO_E5M2, true, true>(op, x, dt, n, buf, M, p, out, st); return true;
+    case TACO_INT8: launch<TACO_INT8, true, true>(op, x, dt, n, buf, M, p, out, st); return true;
+    case TACO_INT6: launch<TACO_INT6, true, true>(op, x, dt, n, buf, M, p, out, st); return true;
+    default: return false;
+  }
+}
+
 }  // namespace
 
-void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st) {
-  if (M == 0 || p.L == 0) return;
-  const dim3 grid(grid_for(p.L / B, K), M);
-  if (xdt == TACO_F32) encode_kernel<TACO_F32><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
-  else if (xdt == TACO_BF16) encode_kernel<TACO_BF16><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
-  else encode_kernel<TACO_F16><<<grid, 32 * WARPS, 0, st>>>(x, n, p, out);
+bool taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st) {
+  if (M == 0 || p.L == 0) return true;
+  return dispatch(0, x, xdt, n, TacoMsgs{}, M, p, out, st);
 }
 
-void taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
-  if (M == 0 || p.L == 0 || n == 0) return;
-  const dim3 grid(grid_for(p.L / B, K), M);
-  if (odt == TACO_F32) decode_kernel<TACO_F32><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
-  else if (odt == TACO_BF16) decode_kernel<TACO_BF16><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
-  else decode_kernel<TACO_F16><<<grid, 32 * WARPS, 0, st>>>(buf, p, out, n);
+bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
+  if (M == 0 || p.L == 0 || n == 0) return true;
+  return dispatch(1, nullptr, odt, n, buf, M, p, out, st);
 }
 
-void taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
-  const long long blocks = p.L / B;
-  if (blocks == 0) return;
-  reduce_encode_kernel<<<grid_for(blocks, 1), 32 * WARPS, 0, st>>>(buf, P, p, out);
+bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
+  if (p.L / B == 0) return true;
+  return dispatch(2, nullptr, 0, 0, buf, P, p, out, st);
 }

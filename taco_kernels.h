@@ -27,9 +27,10 @@ struct TacoMsgs {
   int n_ptr;
 };
 
+// Each returns false, launching nothing, for a codec the kernels are not built for.
 // x: n elements of dtype xdt; message m encodes x[m*L, (m+1)*L) (zeros past n) into out[m*S, (m+1)*S)
-void taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st);
+bool taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st);
 // the first n elements of M messages -> out (dtype odt)
-void taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st);
+bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st);
 // decode P messages, sum in fp32 in order 0..P-1, re-encode into one message
-void taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st);
+bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st);

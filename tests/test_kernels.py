@@ -30,6 +30,8 @@ def inputs(n, dtype, seed):
         x[1300] = float("inf")
         x[1600] = float("-inf")
         x[1900:1910] *= 1e4
+        x[2048:2304] = torch.randn(256, generator=g) * 1e35                    # huge: scales past 2^100 (inf in fp16)
+        x[2304:2560] = torch.randn(256, generator=g) * 1e37                    # the transform overflows
     return x.to(dtype)
 
 
