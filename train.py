@@ -116,7 +116,8 @@ def configure(g, argv):
 
 def kernel_time_by_kind(prof, steps):
     """GPU time per step (ms) of the profiled CUDA kernels, by kind: the TP transport (NCCL
-    kernels, symmetric-memory barriers), the codec kernels, copies, and the rest (compute).
+    kernels, symmetric-memory barriers, torch's symmetric-memory all-reduce), the codec kernels,
+    copies, and the rest (compute).
     Kernels on different streams overlap (communication runs beside the matmuls), so the kinds
     can add up to more than the step."""
     kinds = {}
@@ -125,6 +126,7 @@ def kernel_time_by_kind(prof, steps):
             continue
         name = e.name.lower()
         kind = ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
+                "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
                 "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
                 "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
         kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1000 / steps

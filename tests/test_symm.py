@@ -92,7 +92,16 @@ def _symm_cases(rank, world):
             ok &= torch.equal(s, e)
     torch.cuda.synchronize()
     out["graph"] = ok
-    # 6. every rank the same bits
+    # 6. uncompressed over symmetric memory (torch's two-shot): the sum, odd sizes and fp32 too
+    for n, dtype in ((1 << 20, torch.bfloat16), (3 * 65536 + 5, torch.bfloat16), (4097, torch.float32)):
+        a = _data(n, dtype, 60, rank)
+        b = a.clone()
+        dist.all_reduce(a)
+        taco.all_reduce(b, codec="none", transport="symm")
+        torch.cuda.synchronize()
+        out[f"plain symm {n} {dtype}"] = torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+        fps.append(_fingerprint(b))
+    # 7. every rank the same bits
     fps = torch.stack(fps + [_fingerprint(s) for s in static]).cuda()
     allf = [torch.empty_like(fps) for _ in range(world)]
     dist.all_gather(allf, fps)

@@ -145,10 +145,12 @@ def test_kernel_time_by_kind_sorts_profiled_kernels():
         ev("void (anonymous namespace)::encode_kernel<1>(void const*, long long)", 100),
         ev("void (anonymous namespace)::reduce_encode_kernel(TacoMsgs, int)", 60),
         ev("void c10d::symmetric_memory::barrier_kernel(unsigned int**)", 20),
+        ev("void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 2>(...)", 200),
         ev("Memcpy DtoD (Device -> Device)", 40), ev("aten::mm", 5000, cpu)])
     kinds = train.kernel_time_by_kind(prof, steps=2)
     assert kinds == pytest.approx({"compute": 1.5, "comm: nccl": 0.4, "codec kernels": 0.08,
-                                   "comm: symm barrier": 0.01, "memcpy/memset": 0.02})
+                                   "comm: symm barrier": 0.01, "comm: symm two-shot": 0.1,
+                                   "memcpy/memset": 0.02})
 
 
 def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
