@@ -179,6 +179,23 @@ def cuda_time(fn, iters=20, warmup=3, before=None):
     return ts[len(ts) // 2]
 
 
+def device_time(fn, iters=50, warmup=3):
+    """Mean GPU microseconds per fn() when the runs go back to back: a sleep kernel holds the GPU
+    while the host queues all of them, so launch and Python overhead do not count (kernel speed;
+    cuda_time measures what a caller sees)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(50_000_000)                                  # ~25 ms at 2 GHz
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / iters
+
+
 def host_time(fn, before=None, iters=20):
     """Median host-side microseconds to issue fn() (no device synchronisation inside): when this
     approaches the GPU time, the operation is bound by Python / launch overhead."""
@@ -195,7 +212,7 @@ def host_time(fn, before=None, iters=20):
     return sorted(ts)[len(ts) // 2]
 
 
-def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)):
+def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256), tag="kernels"):
     """Fused compress / decompress / reduce-compress GB/s (bytes read + written) on bf16 input,
     next to a device-to-device copy (the ceiling) and the unfused PyTorch reference, same run."""
     taco.load_kernels()
@@ -204,7 +221,7 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
         n = m * 2 ** 20
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        t_copy = cuda_time(lambda: y.copy_(x))
+        t_copy = device_time(lambda: y.copy_(x))
         copy_gbs = 4 * n / t_copy / 1e3
         rows.append({"elements": f"{m}M", "op": "copy (ceiling)", "codec": "-", "us": f"{t_copy:.1f}",
                      "GB/s": f"{copy_gbs:.0f}", "% of copy": "100"})
@@ -219,13 +236,14 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
             if m <= 64:
                 ops.append(("compress, unfused torch", lambda: cd._encode_ref(x, 1, n), 2 * n + S))
             for op, fn, nbytes in ops:
-                t = cuda_time(fn, iters=5 if "unfused" in op else 20)
+                t = cuda_time(fn, iters=5) if "unfused" in op else device_time(fn)
                 gbs = nbytes / t / 1e3
                 rows.append({"elements": f"{m}M", "op": op, "codec": name, "us": f"{t:.1f}", "GB/s": f"{gbs:.0f}",
                              "% of copy": f"{100 * gbs / copy_gbs:.0f}"})
         del x, y
         torch.cuda.empty_cache()
-    save("kernels", rows, note="GB/s = (bytes read + bytes written) / median time; input bf16")
+    save(tag, rows, nvcc_flags=os.environ.get("TACO_NVCC_FLAGS", ""), note="GB/s = (bytes read + bytes written) / time; input bf16; time = mean GPU time of "
+         "50 back-to-back runs (launch overhead hidden), the unfused reference: median of 5 single runs")
     table(rows, ["elements", "op", "codec", "us", "GB/s", "% of copy"])
 
 
@@ -365,10 +383,13 @@ def bench_e2e(config, codecs, nproc, extra, tag="e2e", profile_steps=5):
         if not logs:
             raise SystemExit(f"{codec}: too few steps to time; raise --max_iters or lower --log_interval")
         ms = sum(r["ms"] for r in logs) / len(logs)
-        mfu = [r["mfu"] for r in logs if r.get("mfu") is not None]
+        # tokens/s and MFU of the mean step (each log line's tok_s * ms is the step's tokens, its
+        # mfu * ms the step's work: both constant), so that all three columns tell the same story
+        last = logs[-1]
+        mfu = last["mfu"] * last["ms"] / ms if last.get("mfu") is not None else None
         k = prof["kernel_ms_per_step"] if prof else {}
-        rows.append({"codec": codec, "ms/step": round(ms, 2), "tok/s": round(logs[-1]["tok_s"]),
-                     "MFU %": round(sum(mfu) / len(mfu), 1) if mfu else "-",
+        rows.append({"codec": codec, "ms/step": round(ms, 2), "tok/s": round(last["tok_s"] * last["ms"] / ms),
+                     "MFU %": round(mfu, 1) if mfu is not None else "-",
                      "compute ms": round(k.get("compute", 0), 1) if prof else "-",
                      "comm ms": round(sum(v for n, v in k.items() if n.startswith("comm")), 1) if prof else "-",
                      "codec ms": round(k.get("codec kernels", 0), 1) if prof else "-",
@@ -652,7 +673,9 @@ if __name__ == "__main__":
     if what == "codecs":
         bench_codecs()
     elif what == "kernels":
-        bench_kernels()
+        # bench.py kernels [TAG [SIZES]]: e.g. kernels_k2 16,64,256 (millions of elements)
+        sizes = tuple(int(m) for m in sys.argv[3].split(",")) if len(sys.argv) > 3 else (1, 4, 16, 64, 256)
+        bench_kernels(tag=sys.argv[2] if len(sys.argv) > 2 else "kernels", sizes_m=sizes)
     elif what == "plot":
         plot_curves()
         plot_study()
