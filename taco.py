@@ -73,12 +73,13 @@ What we measured (README.md has the tables; results/ the raw numbers and command
   raw fp8 99% on gradients, tahquant (4.6 bits) 15%. In training (README, the accuracy study, TP=8
   emulated, 3 seeds, paired): final validation loss +0.15% with hint8, +0.38% with taco. So
   DEFAULT_CODEC is hint8.
-- Speed on 2xH200: the fused kernels run at 36-50% of copy bandwidth (issue-bound). Over NVLink the
-  compressed all-reduce does not beat NCCL from 16 MB (0.65-0.68x on the NCCL transport, 0.92-0.98x
-  on symmetric memory); from a CUDA graph it wins at 1-4 MB (31-37 us: 1.3-2.4x NCCL). Over a
-  host-staged link it wins from 16 MB (hint8 1.33-1.48x, hint6 up to 1.88x). Eagerly, below ~8 MB
+- Speed on 2xH200: the fused kernels run at 54-73% of copy bandwidth (hint8: compress 65-68%,
+  decompress 70-73%; the reduce step 28%). Over NVLink the compressed all-reduce beats NCCL from
+  64 MB on the symmetric-memory transport (hint8 1.29-1.35x eagerly, 1.39x from a CUDA graph;
+  1.10-1.28x PyTorch's own symm-mem two-shot), not on the NCCL transport (0.57-0.85x). Over a
+  host-staged link it wins from 64 MB (hint8 1.49-1.52x, hint6 1.89-1.94x). Eagerly, below ~8 MB
   it loses everywhere, hence train.py's taco_min_bytes; this function's own default (min_bytes=0)
-  compresses whatever it is given. End to end (1B GPT, TP=2): hint8 0.93x over NVLink, 1.19x
+  compresses whatever it is given. End to end (1B GPT, TP=2): hint8 1.00x over NVLink, 1.25x
   host-staged (README).
 """
 import functools
