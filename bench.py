@@ -12,6 +12,7 @@ Benchmarks and measurements. Each subcommand prints a short table last and write
     torchrun --nproc_per_node=2 bench.py collective   # GPU: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt2s.py none,hint8,taco 2 nvlink --max_iters=60   # training, per codec
     python bench.py costmodel                 # CPU: predicted TP share and speedup from the measured collectives
+    python bench.py tp-real 8 none,hint8 1    # GPUs: the study's TP=8 runs for real vs emulated (issue 8)
 """
 import json
 import math
@@ -557,6 +558,42 @@ def bench_study(groups, extra, jobs=1):
         study_report(group, extra)
 
 
+def bench_tp_real(tp, codecs, seeds, extra=()):
+    """Issue 8's convergence check: the study's TP runs trained for real (torchrun, `tp` ranks, one
+    TP group) instead of emulated on one rank; final validation loss next to the emulated run of
+    the same codec and seed from results/study.json (when no extra arguments change the run), and
+    each codec's paired change vs the uncompressed run of the same seed, real and emulated. Real
+    and emulated TP need not agree to the bit (a TP matmul sums in another order), only within the
+    seed-to-seed spread."""
+    import subprocess
+    done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
+    rows = []
+    for seed in range(seeds):
+        for codec in codecs:
+            out = os.path.join("out", f"tp{tp}_real", f"{codec}_seed{seed}")
+            os.makedirs(out, exist_ok=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "train.py",
+                   "configs/study.py", f"--tp={tp}", f"--tp_codec={codec}", f"--seed={seed}", *extra,
+                   f"--out_dir={out}"]
+            print(" ".join(cmd), flush=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if p.returncode != 0:
+                print(f"{codec} seed {seed}: FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-2000:]}", flush=True)
+                continue
+            evals = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r]
+            emu = None if extra else done.get(f"{codec}|B256|tp{tp}|seed{seed}|")
+            rows.append({"codec": codec, "seed": seed, "real val": round(evals[-1]["val_loss"], 4),
+                         "emulated val": round(emu["final_val"], 4) if emu else "-"})
+    base = {(r["seed"], k): r[k] for r in rows if r["codec"] == "none" for k in ("real val", "emulated val")}
+    for r in rows:
+        for k, d in (("real val", "real vs none"), ("emulated val", "emulated vs none")):
+            b = base.get((r["seed"], k))
+            ok = isinstance(r[k], float) and isinstance(b, float)
+            r[d] = f"{100 * (r[k] / b - 1):+.2f}%" if ok else "-"
+    save(f"tp{tp}_real", rows, extra=list(extra))
+    table(rows, ["codec", "seed", "real val", "emulated val", "real vs none", "emulated vs none"])
+
+
 def study_report(group, extra=()):
     """Final validation loss per codec: mean and spread over seeds, and the change vs the
     uncompressed baseline, both from the means and PAIRED (same seed: same initialisation and
@@ -700,7 +737,11 @@ if __name__ == "__main__":
         pos = [a for a in sys.argv[2:] if not a.startswith("--")]
         bench_e2e(pos[0], pos[1].split(","), int(pos[2]) if len(pos) > 2 else 2,
                   [a for a in sys.argv[2:] if a.startswith("--")], pos[3] if len(pos) > 3 else "e2e")
+    elif what == "tp-real":          # bench.py tp-real TP CODECS SEEDS [--key=value ...]
+        pos = [a for a in sys.argv[2:] if not a.startswith("--")]
+        bench_tp_real(int(pos[0]), pos[1].split(","), int(pos[2]) if len(pos) > 2 else 1,
+                      [a for a in sys.argv[2:] if a.startswith("--")])
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | costmodel | plot | histograms | study | study-report")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | costmodel | plot | histograms | study | study-report | tp-real")

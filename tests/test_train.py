@@ -161,3 +161,32 @@ def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     run(args + [f"--out_dir={tmp_path}/eager"], nproc=2)
     run(args + ["--compile=True", f"--out_dir={tmp_path}/compiled"], nproc=2)
     assert losses(str(tmp_path / "compiled"))[0] == pytest.approx(losses(str(tmp_path / "eager"))[0], rel=1e-5)
+
+
+@pytest.mark.parametrize("world, layout", [(8, ["--tp=8"]), (4, ["--tp=4"]),
+                                           (8, ["--tp=4", "--pp=2", "--gradient_accumulation_steps=4",
+                                                "--batch_size=2"])])
+def test_gpt7b_layouts_for_4_and_8_gpus_pass_the_launch_checks(world, layout):
+    """The layouts .ci/gpu_tp48 runs on the 4- and 8-GPU machines (issue 8) are accepted before launch
+    (here on CPU, the small dataset standing in for the large one)."""
+    import train
+    g = {k: getattr(train, k) for k in train.config_keys}
+    train.configure(g, ["configs/gpt7b.py", *layout, "--device=cpu", "--dataset=small"])
+    assert (g["n_layer"], g["n_embd"], g["n_head"]) == (32, 4096, 32)
+    train.check_config(g, world)                     # raises ConfigError naming the fix if not
+
+
+def test_tp_real_convergence_check_runs_at_tp2(tmp_path):
+    """bench.py tp-real (issue 8: real TP=8 vs the emulated study runs), exercised at TP=2 on CPU with
+    a tiny model: one run per codec, the paired change vs the uncompressed run of the same seed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NANOTACO_RESULTS=str(tmp_path))
+    p = subprocess.run([sys.executable, "bench.py", "tp-real", "2", "none,hint8", "1", "--dataset=small",
+                        "--device=cpu", "--max_iters=4", "--eval_interval=4", "--warmup_iters=1",
+                        "--lr_decay_iters=4", *TINY], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = json.load(open(tmp_path / "tp2_real.json"))["rows"]
+    assert [(r["codec"], r["seed"]) for r in rows] == [("none", 0), ("hint8", 0)]
+    assert rows[0]["real vs none"] == "+0.00%" and rows[1]["real vs none"] != "-"
+    assert all(r["emulated val"] == "-" for r in rows)      # extra arguments: no study run to compare with
+    assert abs(rows[1]["real val"] / rows[0]["real val"] - 1) < 0.05
