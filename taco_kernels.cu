@@ -53,43 +53,6 @@ constexpr float C = 0.0625f;           // 1 / sqrt(B)
 
 // --- loads and stores of 8 consecutive elements (dtype decided per call: a warp-uniform branch) ---
 
-__device__ __forceinline__ float bits_to_float(unsigned short b, int dt) {
-  return dt == TACO_BF16 ? __uint_as_float(((unsigned)b) << 16) : __half2float(__ushort_as_half(b));
-}
-
-__device__ __forceinline__ void load8(const void* x, int dt, long long n, long long i0, float v[E]) {
-  if (dt == TACO_F32) {
-    const float* p = static_cast<const float*>(x) + i0;
-    if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-#pragma unroll
-      for (int j = 0; j < E; j++) v[j] = i0 + j < n ? p[j] : 0.f;
-    }
-  } else {
-    const unsigned short* p = static_cast<const unsigned short*>(x) + i0;
-    if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-      unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int k = 0; k < 4; k++) {
-        if (dt == TACO_BF16) {
-          v[2 * k] = __uint_as_float(w[k] << 16);
-          v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-        } else {
-          float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
-          v[2 * k] = f.x;
-          v[2 * k + 1] = f.y;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < E; j++) v[j] = i0 + j < n ? bits_to_float(p[j], dt) : 0.f;
-    }
-  }
-}
-
 // 8 consecutive 16-bit elements as raw bits (zeros past n), and their values: the prefetched form
 __device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i0) {
   const unsigned short* p = static_cast<const unsigned short*>(x) + i0;
@@ -115,6 +78,18 @@ __device__ __forceinline__ void unpack16(uint4 u, int dt, float v[E]) {
       v[2 * k] = f.x;
       v[2 * k + 1] = f.y;
     }
+  }
+}
+
+__device__ __forceinline__ void load8(const void* x, int dt, long long n, long long i0, float v[E]) {
+  if (dt != TACO_F32) return unpack16(fetch16(x, n, i0), dt, v);
+  const float* p = static_cast<const float*>(x) + i0;
+  if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
+    float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; j++) v[j] = i0 + j < n ? p[j] : 0.f;
   }
 }
 
