@@ -927,12 +927,8 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     cd = get_codec(codec, block_size)
     if W == 1:
         return _Pending(None) if async_op else x
-    if cd is IDENTITY and transport == "symm" and n > 0:   # uncompressed over symmetric memory
-        flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
-        then = None if x.is_contiguous() else (lambda: x.copy_(flat.view_as(x)))
-        handle = symm_workspace(x, group, cd, transport).all_reduce_plain(flat, stats, async_op, then)
-        return handle if async_op else x
-    if cd is IDENTITY or n * esize < min_bytes or n == 0:
+    plain_symm = cd is IDENTITY and transport == "symm" and n > 0     # uncompressed over symmetric memory
+    if not plain_symm and (cd is IDENTITY or n * esize < min_bytes or n == 0):
         work = dist.all_reduce(x, group=group, async_op=async_op)
         if stats is not None:
             stats.add(logical, logical)
@@ -941,7 +937,8 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1,
     ws = symm_workspace(x, group, cd, transport)
     if ws is not None:                     # (a non-contiguous x: flat is a copy, written back at the end)
         then = None if x.is_contiguous() else (lambda: x.copy_(flat.view_as(x)))
-        handle = ws.all_reduce(flat, cd, stats, async_op, then)
+        handle = (ws.all_reduce_plain(flat, stats, async_op, then) if plain_symm else
+                  ws.all_reduce(flat, cd, stats, async_op, then))
         return handle if async_op else x
     pending, wire = [], 0
     # === reduce-scatter phase: compress every chunk's W shards, start its all-to-all ===
