@@ -235,7 +235,8 @@ class Codec:
     encode(x, M, L) -> (M, S) uint8     x: 1-D, n <= M*L elements (zero-padded past n); message m
                                         holds elements [m*L, (m+1)*L); L a multiple of B
     decode(buf, L, n, dtype, out) -> 1-D tensor of the first n elements of the M messages
-    reduce_encode(buf: (P, S), L) -> (S,) uint8   decode P messages, sum in fp32 in order, re-encode
+    reduce_encode(buf: (P, S), L) -> (S,) uint8   sum P messages in fp32 in order, re-encode (in the
+                                        rotated domain: see reduce_encode)
     compress(x) -> 1-D uint8;  decompress(buf, shape, dtype);  roundtrip(x)   (any shape and size)
 
     On CUDA tensors the fused kernels of taco_kernels.cu run where they exist (TACO_KERNELS=0
@@ -274,7 +275,8 @@ class Codec:
             return _kernels().encode(self, x, M, L)
         return self._encode_ref(x, M, L)
 
-    def _encode_ref(self, x, M, L):
+    def _encode_ref(self, x, M, L, rotated=False):
+        """rotated=True: x is already in the rotated domain (Eq. 8 is skipped; reduce_encode)."""
         sp, B = self.spec, self.B
         nb = L // B
         g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
@@ -289,7 +291,7 @@ class Codec:
             bad |= ~torch.isfinite(ss)
             g = g * alpha[..., None]
         # === Eq. 8: rotation ===
-        if sp.rotate:
+        if sp.rotate and not rotated:
             g = fwht(g) * self.c
         # === Eq. 9: absmax scale ===
         # (s = m / Qmax and 1/s are correctly rounded divisions, once per block; the elements
@@ -340,7 +342,8 @@ class Codec:
         y = self._decode_ref(buf, L).reshape(-1)[:n].to(dtype)
         return y if out is None else out.copy_(y)
 
-    def _decode_ref(self, buf, L):
+    def _decode_ref(self, buf, L, rotated=False):
+        """rotated=True: stop before the inverse rotation (the values stay in the rotated domain)."""
         sp, B, M = self.spec, self.B, buf.shape[0]
         nb = L // B
         pay = nb * B * self.bits // 8
@@ -351,7 +354,7 @@ class Codec:
         elif sp.scale == "tensor":
             tpos = pay + nb * self.nmeta * 4
             y = y * buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
-        if sp.rotate:
+        if sp.rotate and not rotated:
             y = fwht(y) * self.c
         if sp.adaptive:
             alpha = meta[..., :1]
@@ -359,10 +362,19 @@ class Codec:
         return y.reshape(M, L)
 
     def reduce_encode(self, buf, L):
-        """Decode P messages, sum in fp32 in message order 0..P-1, re-encode as one message."""
+        """Sum P messages in fp32 in message order 0..P-1 and encode the sum as one message.
+
+        The sum is taken in the rotated domain: each message is decoded up to, not through, the
+        inverse rotation (q s / alpha), the P blocks are added, and the sum is encoded from Eq. 9 on
+        with alpha computed on it (Eq. 6-7 skip nothing: the rotation is orthonormal, so a block's
+        RMS is the same on both sides of it). H is linear, so this is the sum of the decoded messages
+        rotated and re-encoded, as a two-shot all-reduce needs, without the P inverse and the one
+        forward Walsh-Hadamard transform per block: the values differ from that by fp32 rounding
+        only (tests/test_codecs.py measures both against an exact sum). Unrotated codecs: the plain
+        decode-sum-encode."""
         if self._kernel_ok(buf):
             return _kernels().reduce_encode(self, buf, L)
-        return self._encode_ref(rank_order_sum(self._decode_ref(buf, L)), 1, L)[0]
+        return self._encode_ref(rank_order_sum(self._decode_ref(buf, L, rotated=True)), 1, L, rotated=True)[0]
 
     # === whole tensors ===
     def compress(self, x):
@@ -713,12 +725,12 @@ def emulated_all_reduce(partials, codec=DEFAULT_CODEC, block_size=256):
         return rank_order_sum(partials).view_as(partials[0]).to(partials[0].dtype)
     L = cd.padded(cdiv(n, W))
     # all W ranks' W messages in one encode (message r*W + k: rank r's shard k; messages are
-    # independent, so this is bit for bit what each rank encodes), then one decode
+    # independent, so this is bit for bit what each rank encodes)
     x = partials[0].new_zeros(W, W * L)
     x[:, :n] = torch.stack([p.reshape(-1) for p in partials])
-    got = cd.decode(cd.encode(x.view(-1), W * W, L), L).view(W, W, L)  # [sender, shard, :]
-    # what rank k's reduce_encode does with the W messages for shard k: fp32 sum in rank order, re-encode
-    mine = cd.encode(rank_order_sum(list(got)).view(-1), W, L)
+    sent = cd.encode(x.view(-1), W * W, L).view(W, W, -1)              # [sender, shard, byte]
+    # what rank k does with the W messages for shard k (rank order), then everyone's decode
+    mine = torch.stack([cd.reduce_encode(sent[:, k], L) for k in range(W)])
     return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
 

@@ -36,6 +36,9 @@
 #ifndef TACO_PREFETCH
 #define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
 #endif
+#ifndef TACO_KR
+#define TACO_KR 2         // blocks per warp in reduce-encode (it holds two sets of values)
+#endif
 
 namespace {
 
@@ -43,7 +46,7 @@ constexpr int B = 256;                 // block size the kernels are built for
 constexpr int E = 8;                   // elements per lane
 constexpr int WARPS = 8;               // warps per CTA
 constexpr int K = TACO_K;              // blocks per warp in encode / decode
-constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
+constexpr int KR = TACO_KR;            // blocks per warp in reduce-encode
 constexpr bool PREFETCH = TACO_PREFETCH;
 constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
 constexpr unsigned FULL = 0xffffffffu;
@@ -360,7 +363,7 @@ __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
   }
 }
 
-// --- encode N blocks (layout A in registers) into a message -----------------------------------------
+// --- encode N blocks (layout A in registers) into a message (sm: unused without ROT) -----------------------------------------
 
 // msg: the message's bytes; blocks first .. first + N - 1 of nbs, of which the first nk are real
 template <int FMT, bool ROT, bool SCALE, int N>
@@ -496,7 +499,7 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
   }
 }
 
-// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) ------------------------
+// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha)  (sm: unused without ROT) --
 
 // r: the blocks' codes; v: out, layout A if TO_A else (with ROT) layout C
 template <int FMT, bool ROT, bool SCALE, int N, bool TO_A>
@@ -645,10 +648,12 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
   }
 }
 
-template <int FMT, bool ROT, bool SCALE>
+// The sum is taken in the rotated domain (taco.Codec.reduce_encode): each message decoded up to, not
+// through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
+// transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs.
+template <int FMT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p,
                                                                    uint8_t* out) {
-  __shared__ __align__(16) float smem[WARPS][KR][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nbs = p.L / B;
   const long long first = ((long long)blockIdx.x * WARPS + warp) * KR;
@@ -664,8 +669,7 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
       for (int k = 0; k < KR; k++)
         next[k] = load_raw<FMT>(message(buf, i + 1, p.S), k < nk ? first + k : first, nbs, lane, p);
     }
-    __syncwarp();                             // the previous decode's shared-memory reads are done
-    decode_blocks<FMT, ROT, SCALE, KR, false>(r, v, lane, p, smem[warp]);
+    decode_blocks<FMT, false, SCALE, KR, false>(r, v, lane, p, nullptr);
 #pragma unroll
     for (int k = 0; k < KR; k++)
 #pragma unroll
@@ -673,16 +677,7 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
 #pragma unroll
     for (int k = 0; k < KR; k++) r[k] = next[k];
   }
-  if (ROT) {                                  // the sums are in layout C; encode starts from layout A
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < KR; k++) put_c(acc[k], smem[warp][k], lane);
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < KR; k++) get_a(acc[k], smem[warp][k], lane);
-    __syncwarp();
-  }
-  encode_blocks<FMT, ROT, SCALE, KR>(acc, nk, lane, p, out, first, nbs, smem[warp]);
+  encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
 }
 
 unsigned grid_for(long long blocks, int per_warp) {
@@ -715,7 +710,7 @@ void launch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, con
     decode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, decode_ahead<FMT>()), M), 32 * WARPS, 0, st>>>(
         buf, p, out, dt, n);
   } else {
-    reduce_encode_kernel<FMT, ROT, SCALE><<<grid_for(blocks, KR), 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
+    reduce_encode_kernel<FMT, SCALE><<<grid_for(blocks, KR), 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
   }
 }
 

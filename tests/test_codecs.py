@@ -269,6 +269,40 @@ def test_huge_values_never_silently_wrong(name):
             assert rel_err(out.view(4, 256)[k], x.view(4, 256)[k]) < TOL.get(name, 0.1)
 
 
+# --- the all-reduce's reduce step: the sum in the rotated domain -------------------------------------
+
+def original_domain_reduce(cd, msgs, L):
+    """Decode every message fully (inverse rotation included), sum in fp32, encode from scratch."""
+    return cd._encode_ref(taco.rank_order_sum(cd._decode_ref(msgs, L)), 1, L)[0]
+
+
+@pytest.mark.parametrize("name", sorted(DEFS))
+def test_reduce_in_the_rotated_domain_is_the_sum(name):
+    cd, L, P = taco.get_codec(name), 256 * 64, 3
+    msgs = torch.stack([cd._encode_ref(realistic(L, seed=r), 1, L)[0] for r in range(P)])
+    exact = cd._decode_ref(msgs, L).double().sum(0)              # what the P messages hold, summed
+    ours = cd._decode_ref(cd.reduce_encode(msgs, L)[None], L)[0]
+    plain = cd._decode_ref(original_domain_reduce(cd, msgs, L)[None], L)[0]
+    if not DEFS[name][1]:                                        # unrotated: nothing changes
+        assert torch.equal(ours, plain)
+    # rotated: H is linear and orthonormal, so both round the same sum once (fp32 noise apart)
+    e_ours, e_plain = rel_err(ours, exact), rel_err(plain, exact)
+    assert abs(e_ours - e_plain) <= 1e-3 * e_plain, (e_ours, e_plain)
+    assert e_ours < 2 * TOL.get(name, 0.1)
+
+
+@pytest.mark.parametrize("name", ["taco", "hint8", "ash"])
+def test_reduce_in_the_rotated_domain_keeps_bad_blocks_bad(name):
+    cd, L = taco.get_codec(name), 256 * 4
+    x = [realistic(L, seed=r) for r in range(2)]
+    x[1][300] = float("nan")                                     # block 1 of message 1
+    x[0][600] = 1e38                                             # block 2: the sum of squares overflows
+    out = cd._decode_ref(cd.reduce_encode(torch.stack([cd._encode_ref(v, 1, L)[0] for v in x]), L)[None], L)[0]
+    bad = ~torch.isfinite(out.view(4, 256)).all(1)
+    assert bad[1] and not bad[0] and not bad[3]
+    assert bad[2] or not DEFS[name][0]                           # alpha's overflow marks it (taco, ash)
+
+
 def test_unknown_codec_and_bad_block_size_are_refused():
     with pytest.raises(ValueError, match="unknown codec"):
         taco.get_codec("fp4")
