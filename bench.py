@@ -410,6 +410,84 @@ def bench_e2e(config, codecs, nproc, extra, tag="e2e", profile_steps=5):
 # -----------------------------------------------------------------------------
 # a cost model of the TP communication in a training step, from the measured collectives
 
+# --- where a step's time goes: a kernel timeline (train.py --profile_trace=True) ----------------------
+
+def _merge(iv):
+    """Sorted, non-overlapping union of [a, b) intervals."""
+    out = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(iv):
+    return sum(b - a for a, b in iv)
+
+
+def _intersect(x, y):
+    """Intersection of two merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append([a, b])
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def trace_report(path, steps):
+    """From one rank's chrome trace of `steps` profiled steps: per kernel kind, the GPU time, how
+    much of it ran while a compute kernel ran (hidden behind the matmuls) and how much did not
+    (exposed: on the step's critical path unless another rank waits anyway); per codec kernel, its
+    mean duration alone and beside compute."""
+    import gzip
+    from train import kernel_kind
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        ev = json.load(f)
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    ks = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    span = max(b for _, b, _ in ks) - min(a for a, _, _ in ks)
+    by_kind = {}
+    for a, b, name in ks:
+        by_kind.setdefault(kernel_kind(name) if not name.startswith("Mem") else "memcpy/memset", []).append((a, b, name))
+    compute = _merge([(a, b) for a, b, _ in by_kind.get("compute", [])])
+    everything = _merge([(a, b) for a, b, _ in ks])
+    ms = lambda us: us / 1000 / steps
+    rows = [{"kind": "step (first to last kernel)", "kernel ms": f"{ms(span):.1f}", "busy ms": f"{ms(_length(everything)):.1f}",
+             "beside compute": "-", "exposed": f"{ms(span - _length(everything)):.1f} idle"}]
+    for kind, kv in sorted(by_kind.items()):
+        busy = _merge([(a, b) for a, b, _ in kv])
+        hidden = _length(_intersect(busy, compute)) if kind != "compute" else 0
+        rows.append({"kind": kind, "kernel ms": f"{ms(sum(b - a for a, b, _ in kv)):.1f}",
+                     "busy ms": f"{ms(_length(busy)):.1f}",
+                     "beside compute": "-" if kind == "compute" else f"{ms(hidden):.1f}",
+                     "exposed": "-" if kind == "compute" else f"{ms(_length(busy) - hidden):.1f}"})
+    # codec kernels: alone vs beside a matmul (> half their time under a compute kernel)
+    per = {}
+    for a, b, name in by_kind.get("codec kernels", []):
+        op = "reduce_encode" if "reduce_encode" in name else "encode" if "encode" in name else "decode"
+        beside = _length(_intersect([[a, b]], compute)) > (b - a) / 2
+        per.setdefault((op, beside), []).append(b - a)
+    calls = [{"kernel": op, "beside compute": "yes" if beside else "no", "calls/step": len(v) // steps,
+              "mean us": f"{sum(v) / len(v):.1f}"} for (op, beside), v in sorted(per.items())]
+    return rows, calls
+
+
+def bench_trace_report(paths, steps=2):
+    for path in paths:
+        rows, calls = trace_report(path, steps)
+        print(f"\n{path} (ms per step; streams overlap):")
+        table(rows, ["kind", "kernel ms", "busy ms", "beside compute", "exposed"])
+        if calls:
+            table(calls, ["kernel", "beside compute", "calls/step", "mean us"])
+
+
 def interp_us(rows, variant, mb, transport="dist"):
     """All-reduce time (us) of `variant` (chunks=1, on `transport`) at `mb` MiB: log-log
     interpolation between the two measured sizes around it (results/collective_*.json)."""
@@ -743,5 +821,8 @@ if __name__ == "__main__":
                       [a for a in sys.argv[2:] if a.startswith("--")])
     elif what == "collective":
         bench_collective(tag=sys.argv[2] if len(sys.argv) > 2 else "nvlink")
+    elif what == "trace-report":     # bench.py trace-report STEPS TRACE [TRACE ...]  (train.py --profile_trace=True)
+        bench_trace_report(sys.argv[3:], int(sys.argv[2]))
     else:
-        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | costmodel | plot | histograms | study | study-report | tp-real")
+        raise SystemExit(f"unknown benchmark {what!r}: codecs | kernels | collective | e2e | costmodel | plot | histograms | "
+                         "study | study-report | tp-real | trace-report")

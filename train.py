@@ -10,9 +10,11 @@ Config (nanoGPT style): the globals below are the defaults; a config file is pla
 that override them; --key=value overrides are type-checked against the default's type.
 """
 import ast
+import gzip
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -83,6 +85,7 @@ device = "auto"                 # auto | cpu | cuda
 dtype = "auto"                  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
 compile = False
 profile_steps = 0               # > 0: profile the last N steps (CUDA kernels by kind) into out_dir/profile.json
+profile_trace = False           # with profile_steps: also every rank's kernel timeline, out_dir/trace_rank<r>.json.gz
 peak_flops = 989e12             # per-GPU dense bf16 peak for MFU (H100/H200 SXM datasheet)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in list(globals().items()) if not k.startswith("_")
@@ -114,21 +117,25 @@ def configure(g, argv):
         g[key] = v
 
 
+def kernel_kind(name):
+    """What a CUDA kernel is: the TP transport (NCCL kernels, symmetric-memory barriers, torch's
+    symmetric-memory all-reduce), our codec kernels, copies, or the rest (compute)."""
+    name = name.lower()
+    return ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
+            "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
+            "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
+            "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
+
+
 def kernel_time_by_kind(prof, steps):
-    """GPU time per step (ms) of the profiled CUDA kernels, by kind: the TP transport (NCCL
-    kernels, symmetric-memory barriers, torch's symmetric-memory all-reduce), the codec kernels,
-    copies, and the rest (compute).
+    """GPU time per step (ms) of the profiled CUDA kernels, by kernel_kind.
     Kernels on different streams overlap (communication runs beside the matmuls), so the kinds
     can add up to more than the step."""
     kinds = {}
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = e.name.lower()
-        kind = ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
-                "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
-                "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
-                "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
+        kind = kernel_kind(e.name)
         kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1000 / steps
     return kinds
 
@@ -481,6 +488,13 @@ def main():
                 json.dump(summary, f, indent=1)
             log("profile (ms per step, kernels by kind; streams overlap): " +
                 ", ".join(f"{k} {v:.1f}" for k, v in sorted(kinds.items())))
+        if profile_trace:                        # chrome://tracing or `python bench.py trace-report`
+            os.makedirs(out_dir, exist_ok=True)
+            path = os.path.join(out_dir, f"trace_rank{grid.rank}.json")
+            prof.export_chrome_trace(path)
+            with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            os.remove(path)
 
     # === a sample, so you can see what it learned ===
     if sample_tokens > 0 and sequence_parallel and master:
