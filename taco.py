@@ -55,6 +55,7 @@ The two-shot compressed all-reduce
     2. compress every shard                                      -> W messages
     3. all_to_all: message r goes to rank r                       (reduce-scatter phase)
     4. decompress the W messages for MY shard, sum in fp32 in rank order 0..W-1, re-compress
+       (in the rotated domain: Codec.reduce_encode)
     5. all_gather the re-compressed shards                        (all-gather phase)
     6. decompress ALL W shards, my own included, from the gathered bytes
 Step 6 is why every rank ends with bitwise-identical results: each rank decodes the very same
@@ -73,14 +74,14 @@ What we measured (README.md has the tables; results/ the raw numbers and command
   raw fp8 99% on gradients, tahquant (4.6 bits) 15%. In training (README, the accuracy study, TP=8
   emulated, 3 seeds, paired): final validation loss +0.15% with hint8, +0.38% with taco. So
   DEFAULT_CODEC is hint8.
-- Speed on 2xH200: the fused kernels run at 54-73% of copy bandwidth (hint8: compress 65-68%,
-  decompress 70-73%; the reduce step 28%). Over NVLink the compressed all-reduce beats NCCL from
-  64 MB on the symmetric-memory transport (hint8 1.29-1.35x eagerly, 1.39x from a CUDA graph;
-  1.10-1.28x PyTorch's own symm-mem two-shot), not on the NCCL transport (0.57-0.85x). Over a
-  host-staged link it wins from 64 MB (hint8 1.49-1.52x, hint6 1.89-1.94x). Eagerly, below ~8 MB
+- Speed on 2xH200: the fused kernels run at 54-72% of copy bandwidth (hint8: compress 65-67%,
+  decompress 69-72%, the reduce step 56-58%). Over NVLink the compressed all-reduce beats NCCL from
+  64 MB on the symmetric-memory transport (hint8 1.33-1.40x eagerly, 1.43x from a CUDA graph;
+  1.14-1.32x PyTorch's own symm-mem two-shot), not on the NCCL transport (0.88-0.95x). Over a
+  host-staged link it wins from 16 MB (hint8 1.23-1.54x, hint6 1.19-1.97x). Eagerly, below ~8 MB
   it loses everywhere, hence train.py's taco_min_bytes; this function's own default (min_bytes=0)
-  compresses whatever it is given. End to end (1B GPT, TP=2): hint8 1.00x over NVLink, 1.25x
-  host-staged (README).
+  compresses whatever it is given. End to end (1B GPT, TP=2): hint8 0.97-1.00x over NVLink,
+  1.21-1.28x host-staged (README).
 """
 import functools
 import hashlib

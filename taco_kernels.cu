@@ -697,7 +697,8 @@ unsigned groups_grid(long long blocks, int M, bool ahead) {
   return (unsigned)max(1LL, min((long long)all, cap));
 }
 
-// one instantiation per (code format, rotation, block scale); the adaptive scale and the dtype are
+// encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
+// (format, block scale), as it never rotates; the adaptive scale and the dtype are
 // warp-uniform branches inside
 template <int FMT, bool ROT, bool SCALE>
 void launch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
