@@ -407,9 +407,6 @@ def bench_e2e(config, codecs, nproc, extra, tag="e2e", profile_steps=5):
                  "tp wire MiB/step", "loss"])
 
 
-# -----------------------------------------------------------------------------
-# a cost model of the TP communication in a training step, from the measured collectives
-
 # --- where a step's time goes: a kernel timeline (train.py --profile_trace=True) ----------------------
 
 def _merge(iv):
@@ -455,7 +452,7 @@ def trace_report(path, steps):
     span = max(b for _, b, _ in ks) - min(a for a, _, _ in ks)
     by_kind = {}
     for a, b, name in ks:
-        by_kind.setdefault(kernel_kind(name) if not name.startswith("Mem") else "memcpy/memset", []).append((a, b, name))
+        by_kind.setdefault(kernel_kind(name), []).append((a, b, name))
     compute = _merge([(a, b) for a, b, _ in by_kind.get("compute", [])])
     everything = _merge([(a, b) for a, b, _ in ks])
     ms = lambda us: us / 1000 / steps
@@ -487,6 +484,9 @@ def bench_trace_report(paths, steps=2):
         if calls:
             table(calls, ["kernel", "beside compute", "calls/step", "mean us"])
 
+
+# -----------------------------------------------------------------------------
+# a cost model of the TP communication in a training step, from the measured collectives
 
 def interp_us(rows, variant, mb, transport="dist"):
     """All-reduce time (us) of `variant` (chunks=1, on `transport`) at `mb` MiB: log-log

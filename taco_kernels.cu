@@ -363,7 +363,7 @@ __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
   }
 }
 
-// --- encode N blocks (layout A in registers) into a message (sm: unused without ROT) -----------------------------------------
+// --- encode N blocks (layout A in registers) into a message (sm: unused without ROT) --------------
 
 // msg: the message's bytes; blocks first .. first + N - 1 of nbs, of which the first nk are real
 template <int FMT, bool ROT, bool SCALE, int N>
@@ -499,7 +499,7 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
   }
 }
 
-// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha)  (sm: unused without ROT) --
+// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) (sm: unused without ROT)
 
 // r: the blocks' codes; v: out, layout A if TO_A else (with ROT) layout C
 template <int FMT, bool ROT, bool SCALE, int N, bool TO_A>
