@@ -6,9 +6,11 @@ Per transformer block, with tp ranks:
     x ─ LN ─ f ─ QKV (column ‖) ─ attention on n_head/tp local heads ─ out-proj (row ‖) ─ g ─ + x
     x ─ LN ─ f ─ fc  (column ‖) ─ GELU on 4C/tp local features   ─ proj   (row ‖) ─ g ─ + x
 
-f = parallel.copy_to_tp (all-reduce in backward), g = parallel.reduce_from_tp (all-reduce in
-forward). The token embedding and the tied LM head are split over the vocabulary, and the loss is
-a vocab-parallel cross-entropy: full logits are never gathered.
+f and g are parallel.py's two operators: f is the identity forward and all-reduces the input
+gradient backward (it runs inside ColumnParallelLinear, fused with its matmul), g all-reduces the
+row-parallel partial sums forward. Their all-reduces are the ones taco.py compresses. The token
+embedding and the tied LM head are split over the vocabulary, and the loss is a vocab-parallel
+cross-entropy: full logits are never gathered.
 
 Built in a plain process (no TPComm given) the model is TP=1 and is an ordinary GPT-2.
 Every weight is initialised at full size from the seed and then sliced, so TP=1 and TP=N start
@@ -21,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
-from parallel import (ColumnParallelLinearFn, EmulatedColumnLinear, EmulatedReduceFromTP, TPComm, enter_tp,
-                      leave_tp)
+import parallel
 
 
 @dataclass
@@ -53,8 +55,8 @@ def autocast_input(x):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T + b with A split by output rows; each rank owns out/tp outputs, no communication
-    in forward (the f before it all-reduces the input gradient in backward).
+    """Y = f(X) A^T + b with A split by output rows; each rank owns out/tp outputs. No
+    communication in forward; f all-reduces the input gradient in backward.
 
         A = [ A_0 ]   rank 0 computes X A_0^T  (B, T, out/tp)
             [ A_1 ]   rank 1 computes X A_1^T
@@ -63,7 +65,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, d_in, d_out, comm, bias=True, parts=1):
         super().__init__()
-        self.comm, self.parts, self.d_out = comm, parts, d_out
+        self.comm, self.parts = comm, parts
         self.weight = nn.Parameter(torch.empty(d_out // comm.size, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out // comm.size)) if bias else None
         self.weight.tp_split = True
@@ -74,17 +76,12 @@ class ColumnParallelLinear(nn.Module):
         sections = full.chunk(self.parts, dim=0)
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in sections], dim=0)
 
-    def forward(self, x):
-        x = autocast_input(x)
-        if self.comm.emulate > 1:
-            return EmulatedColumnLinear.apply(x, self.weight, self.bias, self.comm, self.parts)
-        if self.comm.size > 1 and not self.comm.sp:           # f + matmul, backward all-reduce overlapped
-            return ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.comm)   # (B, T, out/tp)
-        return F.linear(enter_tp(x, self.comm), self.weight, self.bias)     # (B, T, out/tp)
+    def forward(self, x):                        # x: (B, T, in), sequence parallelism: (B, T/tp, in)
+        return parallel.f(autocast_input(x), self.weight, self.bias, self.comm)       # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A^T + b with A split by input columns; the input arrives already split (the
+    """Y = g(X A^T) + b with A split by input columns; the input arrives already split (the
     output of a column-parallel layer), each rank computes a partial sum, g all-reduces it.
 
         A = [ A_0 | A_1 ]   Y = X_0 A_0^T + X_1 A_1^T   (the sum is the TP all-reduce)
@@ -101,11 +98,7 @@ class RowParallelLinear(nn.Module):
         return full.chunk(self.comm.size, dim=1)[self.comm.rank]
 
     def forward(self, x):                        # x: (B, T, in/tp)
-        if self.comm.emulate > 1:                # t partial sums, as t ranks would compute them
-            xs, ws = x.chunk(self.comm.emulate, dim=-1), self.weight.chunk(self.comm.emulate, dim=-1)
-            y = EmulatedReduceFromTP.apply(self.comm, *[F.linear(a.contiguous(), w) for a, w in zip(xs, ws)])
-        else:
-            y = leave_tp(F.linear(x, self.weight), self.comm)              # (B, T, out), SP: (B, T/tp, out)
+        y = parallel.g(F.linear(x, self.weight), self.comm)          # (B, T, out), SP: (B, T/tp, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -132,13 +125,9 @@ class VocabParallelEmbedding(nn.Module):
         return F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)
 
     def forward(self, idx):
-        if self.comm.emulate > 1:
-            shards = self.weight.chunk(self.comm.emulate, dim=0)
-            per = shards[0].shape[0]
-            return EmulatedReduceFromTP.apply(self.comm, *[self.lookup(idx, w, r * per) for r, w in enumerate(shards)])
         if self.comm.size == 1:
             return F.embedding(idx, self.weight)
-        return leave_tp(self.lookup(idx, self.weight, self.start), self.comm)    # (B, T, C), SP: (B, T/tp, C)
+        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm)   # (B, T, C), SP: (B, T/tp, C)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -186,21 +175,17 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg, comm):
         super().__init__()
         self.n_head = cfg.n_head // comm.size        # local heads
-        self.hd = cfg.n_embd // cfg.n_head
         self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, comm, cfg.bias, parts=3)
         self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, comm, cfg.bias)
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):                        # x: (B, T, C), with sequence parallelism (B, T/tp, C)
-        qkv = self.qkv(x)                                                                 # (B, T, 3C/tp)
-        B, T, _ = qkv.shape
-        q, k, v = qkv.split(self.n_head * self.hd, dim=2)                                # 3 x (B, T, C/tp)
-        q, k, v = (t.view(B, T, self.n_head, self.hd).transpose(1, 2) for t in (q, k, v))  # (B, h/tp, T, hd)
+        qkv = self.qkv(x)                                                          # (B, T, 3C/tp) = [Q|K|V]
+        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.n_head)  # (B, h/tp, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)                      # (B, T, C/tp)
-        return self.resid_drop(self.proj(y))                                             # (B, T, C)
+        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))   # (B, T, C/tp) -> (B, T, C)
 
 
 class MLP(nn.Module):
@@ -230,14 +215,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """The whole GPT (stages=1) or one pipeline stage of it: stage s of S owns blocks
     [s*L/S, (s+1)*L/S); the first stage also owns the embeddings, the last the final LayerNorm and
-    the LM head. The head is tied to the token embedding: with S > 1 the last stage holds a copy of
-    wte whose gradient is summed with the first stage's every step (parallel.sync_tied_grads), so
-    the two stay equal."""
+    the LM head. The head is a column-parallel linear whose weight IS the token embedding's (tied):
+    with S > 1 the last stage holds a copy of wte whose gradient is summed with the first stage's
+    every step (parallel.sync_tied_grads), so the two stay equal."""
 
     def __init__(self, config, comm=None, seed=0, stage=0, stages=1):
         super().__init__()
         self.config = config
-        self.comm = comm or TPComm()
+        self.comm = comm or parallel.TPComm()
         c = config
         self.stage, self.stages = stage, stages
         self.first, self.last = stage == 0, stage == stages - 1
@@ -252,6 +237,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
         if self.last:
             self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+            self.lm_head = ColumnParallelLinear(c.n_embd, c.padded_vocab, self.comm, bias=False)
+            self.lm_head.weight = self.wte.weight               # tied: one parameter, sliced alike
         self.init_weights(seed)
 
     # --- initialisation: full tensors from one generator, then this rank's slice ---
@@ -312,102 +299,14 @@ class GPT(nn.Module):
             x = block(x)
         if not self.last:
             return x, None
-        x = autocast_input(self.ln_f(x))
-        if self.comm.emulate > 1:
-            x = x if targets is not None else x[:, -1:, :]
-            logits = EmulatedColumnLinear.apply(x, self.wte.weight, None, self.comm, 1)
-        elif self.comm.size > 1 and not self.comm.sp:       # f + the head's matmul, backward overlapped
-            x = x if targets is not None else x[:, -1:, :]
-            logits = ColumnParallelLinearFn.apply(x, self.wte.weight, None, self.comm)   # (B, T, V/tp) tied head
-        else:
-            x = enter_tp(x, self.comm)                                         # SP: gathered to (B, T, C)
-            x = x if targets is not None else x[:, -1:, :]
-            logits = F.linear(x, self.wte.weight)                              # (B, T, V/tp) tied head
+        x = self.ln_f(x)
+        if targets is None:
+            assert not self.comm.sp, "the last position alone: not with sequence parallelism"
+            x = x[:, -1:, :]
+        logits = self.lm_head(x)                                                     # (B, T, V/tp)
         if targets is None:
             return logits, None
         n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded
         loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
                                                self.wte.start, n_real, self.comm.group)
         return logits, loss
-
-    def full_logits(self, idx, grid=None):
-        """Last-position logits over the whole vocabulary (gathered over TP): for sampling only.
-        With pipeline stages every stage calls it: the context runs through the stages in turn
-        (blocking send/recv to the neighbours, grid's convention); non-last stages return None."""
-        if self.stages == 1:
-            logits, _ = self(idx)
-        else:
-            h = None
-            if not self.first:
-                h = torch.empty(*idx.shape, self.config.n_embd, device=idx.device)
-                dist.recv(h, grid.rank - grid.tp)
-            logits, _ = self(idx if self.first else None, None, h)
-            if not self.last:
-                dist.send(logits.float().contiguous(), grid.rank + grid.tp)
-                return None
-        logits = logits[:, -1, :].float().contiguous()                                # (B, V/tp)
-        if self.comm.size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.comm.size)]
-            dist.all_gather(parts, logits, group=self.comm.group)
-            logits = torch.cat(parts, dim=-1)
-        return logits[:, :self.config.vocab_size]
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None, grid=None):
-        """Sample tokens. Under TP every rank must call this with the same idx and an identically
-        seeded generator (all ranks take part in every forward and must draw the same token).
-        With pipeline stages (pass the grid) every stage calls it; the last stage draws the token
-        and broadcasts it to the other stages of its pipeline."""
-        assert not self.comm.sp, "sampling with sequence parallelism is not implemented"
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.config.block_size:]
-            logits = self.full_logits(ctx, grid)
-            nxt = torch.empty(idx.shape[0], 1, dtype=idx.dtype, device=idx.device)
-            if self.last:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
-                    logits[logits < v[:, [-1]]] = float("-inf")
-                probs = F.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
-            if self.stages > 1:
-                dist.broadcast(nxt, src=grid.rank + (grid.pp - 1 - grid.pp_rank) * grid.tp, group=grid.pp_group)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
-
-    # --- Hugging Face GPT-2 weights ---
-    @classmethod
-    def from_hf_state_dict(cls, sd, config, comm=None):
-        """Load a Hugging Face `GPT2LMHeadModel` state dict (its Conv1D weights are stored (in, out):
-        transposed here), sliced for this rank. config must match the checkpoint's shapes."""
-        model = cls(config, comm)
-        c = config
-        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-        missing = [k for k in ("wte.weight", "wpe.weight", "ln_f.weight") if k not in sd]
-        if missing or sd["wte.weight"].shape != (c.vocab_size, c.n_embd):
-            raise ValueError(f"state dict does not match {c}: missing {missing} or wte shape "
-                             f"{tuple(sd.get('wte.weight', torch.empty(0)).shape)}")
-        wte = torch.zeros(c.padded_vocab, c.n_embd)
-        wte[:c.vocab_size] = sd["wte.weight"]
-
-        def put(mod, name, full, split=True):
-            getattr(mod, name).data.copy_(mod.shard(full) if split and hasattr(mod, "shard") else full)
-
-        with torch.no_grad():
-            put(model.wte, "weight", wte)
-            put(model.wpe, "weight", sd["wpe.weight"])
-            put(model.ln_f, "weight", sd["ln_f.weight"])
-            if c.bias:
-                put(model.ln_f, "bias", sd["ln_f.bias"])
-            for i, b in enumerate(model.h):
-                p = f"h.{i}."
-                for ln in ("ln_1", "ln_2"):
-                    put(getattr(b, ln), "weight", sd[p + ln + ".weight"])
-                    if c.bias:
-                        put(getattr(b, ln), "bias", sd[p + ln + ".bias"])
-                for mod, hf in ((b.attn.qkv, "attn.c_attn"), (b.attn.proj, "attn.c_proj"),
-                                (b.mlp.fc, "mlp.c_fc"), (b.mlp.proj, "mlp.c_proj")):
-                    put(mod, "weight", sd[p + hf + ".weight"].t())          # Conv1D (in, out) -> (out, in)
-                    if c.bias:
-                        put(mod, "bias", sd[p + hf + ".bias"], split=isinstance(mod, ColumnParallelLinear))
-        return model

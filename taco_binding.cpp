@@ -8,14 +8,7 @@
 
 namespace {
 
-constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco.kernels_support says which)";
-
-// ip = [fmt, adaptive, rotate, scale_block, nmeta, L, S], fp = [tau, eps, c, qmax]
-TacoParams params(const std::vector<int64_t>& ip, const std::vector<double>& fp) {
-  TORCH_CHECK(ip.size() == 7 && fp.size() == 4, "taco: bad codec parameters");
-  return TacoParams{(int)ip[0], (int)ip[1], (int)ip[2], (int)ip[3], (int)ip[4],
-                    (float)fp[0], (float)fp[1], (float)fp[2], (float)fp[3], ip[5], ip[6]};
-}
+constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco_kernels.supports says which)";
 
 int dtype_code(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kFloat32) return TACO_F32;
@@ -42,11 +35,9 @@ TacoMsgs scattered(const std::vector<int64_t>& ptrs) {
   return m;
 }
 
-torch::Tensor encode(torch::Tensor x, int64_t M, std::vector<int64_t> ip, std::vector<double> fp,
-                     c10::optional<torch::Tensor> into) {
+torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optional<torch::Tensor> into) {
   check(x, "input");
   const c10::cuda::CUDAGuard guard(x.device());
-  TacoParams p = params(ip, fp);
   torch::Tensor out;
   if (into) {                                   // e.g. this rank's symmetric-memory buffer
     out = *into;
@@ -61,19 +52,17 @@ torch::Tensor encode(torch::Tensor x, int64_t M, std::vector<int64_t> ip, std::v
   return out;
 }
 
-torch::Tensor decode(TacoMsgs msgs, int64_t M, torch::Tensor out, std::vector<int64_t> ip, std::vector<double> fp) {
+torch::Tensor decode(TacoMsgs msgs, int64_t M, torch::Tensor out, const TacoParams& p) {
   check(out, "output");
   const c10::cuda::CUDAGuard guard(out.device());
-  TORCH_CHECK(taco_decode(msgs, (int)M, params(ip, fp), out.data_ptr(), dtype_code(out), out.numel(),
+  TORCH_CHECK(taco_decode(msgs, (int)M, p, out.data_ptr(), dtype_code(out), out.numel(),
                           c10::cuda::getCurrentCUDAStream()), UNSUPPORTED);
   return out;
 }
 
-torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, std::vector<int64_t> ip,
-                            std::vector<double> fp) {
+torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const TacoParams& p) {
   check(out, "output");
   const c10::cuda::CUDAGuard guard(out.device());
-  TacoParams p = params(ip, fp);
   TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.numel() == p.S, "taco: reduce_encode output must be ",
               p.S, " bytes");
   TORCH_CHECK(taco_reduce_encode(msgs, (int)P, p, out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()),
@@ -84,20 +73,34 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, std::ve
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::enum_<TacoFmt>(m, "Fmt")
+      .value("e4m3", TACO_E4M3).value("e5m2", TACO_E5M2).value("int8", TACO_INT8).value("int6", TACO_INT6);
+  py::class_<TacoParams>(m, "Params")
+      .def(py::init<>())
+      .def_readwrite("fmt", &TacoParams::fmt)
+      .def_readwrite("adaptive", &TacoParams::adaptive)
+      .def_readwrite("rotate", &TacoParams::rotate)
+      .def_readwrite("scale_block", &TacoParams::scale_block)
+      .def_readwrite("nmeta", &TacoParams::nmeta)
+      .def_readwrite("tau", &TacoParams::tau)
+      .def_readwrite("eps", &TacoParams::eps)
+      .def_readwrite("c", &TacoParams::c)
+      .def_readwrite("qmax", &TacoParams::qmax)
+      .def_readwrite("L", &TacoParams::L)
+      .def_readwrite("S", &TacoParams::S);
   m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
-        py::arg("x"), py::arg("M"), py::arg("ip"), py::arg("fp"), py::arg("into") = py::none());
-  m.def("decode", [](torch::Tensor buf, torch::Tensor out, std::vector<int64_t> ip, std::vector<double> fp) {
-    return decode(contiguous(buf), buf.size(0), out, ip, fp);
+        py::arg("x"), py::arg("M"), py::arg("p"), py::arg("into") = py::none());
+  m.def("decode", [](torch::Tensor buf, torch::Tensor out, const TacoParams& p) {
+    return decode(contiguous(buf), buf.size(0), out, p);
   }, "fused decompress of an (M, S) buffer into out");
-  m.def("decode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, std::vector<int64_t> ip,
-                           std::vector<double> fp) { return decode(scattered(ptrs), ptrs.size(), out, ip, fp); },
-        "fused decompress of messages at the given device addresses into out");
-  m.def("reduce_encode", [](torch::Tensor buf, std::vector<int64_t> ip, std::vector<double> fp) {
-    auto out = torch::empty({params(ip, fp).S}, buf.options());
-    return reduce_encode(contiguous(buf), buf.size(0), out, ip, fp);
+  m.def("decode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, const TacoParams& p) {
+    return decode(scattered(ptrs), ptrs.size(), out, p);
+  }, "fused decompress of messages at the given device addresses into out");
+  m.def("reduce_encode", [](torch::Tensor buf, const TacoParams& p) {
+    auto out = torch::empty({p.S}, buf.options());
+    return reduce_encode(contiguous(buf), buf.size(0), out, p);
   }, "fused decompress-reduce-compress of a (P, S) buffer");
-  m.def("reduce_encode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, std::vector<int64_t> ip,
-                                  std::vector<double> fp) {
-    return reduce_encode(scattered(ptrs), ptrs.size(), out, ip, fp);
+  m.def("reduce_encode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, const TacoParams& p) {
+    return reduce_encode(scattered(ptrs), ptrs.size(), out, p);
   }, "fused decompress-reduce-compress of messages at the given device addresses, into out");
 }

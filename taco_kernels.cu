@@ -11,9 +11,8 @@
 // The Walsh-Hadamard butterflies run in the reference's order, strides 1, 2, 4 in layout A,
 // 8, 16, 32 in B and 64, 128 in C, every one between two registers of one lane. The layouts change
 // through a per-block shared-memory buffer (A -> B -> C, then back to A as bytes for the codes or as
-// floats for the decoded values), padded so that no access has a bank conflict. The previous
-// version did strides 8..128 with warp shuffles (40 per lane and block) and was issue-bound at
-// 40-50% of copy bandwidth (README, "Fused kernels").
+// floats for the decoded values), padded so that no access has a bank conflict. (Warp shuffles for
+// strides 8..128 would cost 40 per lane and block; docs/KERNELS.md has the comparison.)
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
 // fp32 products and sums without FMA contraction (built with -fmad=false), the sum of squares
@@ -29,7 +28,7 @@
 
 #include "taco_kernels.h"
 
-// build-time knobs, to compare variants (TACO_NVCC_FLAGS="-DTACO_K=2", README "Fused kernels")
+// build-time knobs, to compare variants (TACO_NVCC_FLAGS="-DTACO_K=2"; docs/KERNELS.md)
 #ifndef TACO_K
 #define TACO_K 4          // blocks per warp and group
 #endif
@@ -558,15 +557,15 @@ __device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i
   return q;
 }
 
-// INT6 decodes faster without the prefetch (measured: 58% vs 52% of copy bandwidth at 64M)
+// INT6 decodes faster without the prefetch (docs/KERNELS.md)
 template <int FMT>
 __host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TACO_INT6; }
 
 // --- kernels: grid (groups of WARPS * K blocks, messages); with PREFETCH the grid is capped and each
 // warp strides over groups, issuing the next group's loads before this group's math ---------------
 
-// at most 80 registers (ptxas wants 84, which allots 88: two CTAs per SM instead of three; measured
-// 85 us vs see README for 64M elements); costs a 16-byte spill
+// at most 80 registers, so that three CTAs fit on an SM (ptxas wants 84, which allots 88: two CTAs);
+// costs a 16-byte spill
 template <int FMT, bool ROT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS, 3) encode_kernel(const void* x, int dt, long long n, TacoParams p,
                                                            uint8_t* out) {
@@ -700,14 +699,16 @@ unsigned groups_grid(long long blocks, int M, bool ahead) {
 // encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
 // (format, block scale), as it never rotates; the adaptive scale and the dtype are
 // warp-uniform branches inside
+enum class Op { Encode, Decode, ReduceEncode };
+
 template <int FMT, bool ROT, bool SCALE>
-void launch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
+void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
             cudaStream_t st) {
   const long long blocks = p.L / B;
-  if (op == 0) {
+  if (op == Op::Encode) {
     encode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, PREFETCH), M), 32 * WARPS, 0, st>>>(
         x, dt, n, p, (uint8_t*)out);
-  } else if (op == 1) {
+  } else if (op == Op::Decode) {
     decode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, decode_ahead<FMT>()), M), 32 * WARPS, 0, st>>>(
         buf, p, out, dt, n);
   } else {
@@ -718,7 +719,7 @@ void launch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, con
 // The codecs of taco.CODECS that the kernels cover (taco.kernels_support says the same): rotated
 // with a block scale in every format; E4M3 also rotated without a scale (ash), and unrotated with
 // (ds) or without (fp8) a block scale. False: not built.
-bool dispatch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
+bool dispatch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
               cudaStream_t st) {
   const bool rot = p.rotate, scale = p.scale_block;
   if (p.fmt == TACO_E4M3) {
@@ -741,15 +742,15 @@ bool dispatch(int op, const void* x, int dt, long long n, TacoMsgs buf, int M, c
 
 bool taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st) {
   if (M == 0 || p.L == 0) return true;
-  return dispatch(0, x, xdt, n, TacoMsgs{}, M, p, out, st);
+  return dispatch(Op::Encode, x, xdt, n, TacoMsgs{}, M, p, out, st);
 }
 
 bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
   if (M == 0 || p.L == 0 || n == 0) return true;
-  return dispatch(1, nullptr, odt, n, buf, M, p, out, st);
+  return dispatch(Op::Decode, nullptr, odt, n, buf, M, p, out, st);
 }
 
 bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
   if (p.L / B == 0) return true;
-  return dispatch(2, nullptr, 0, 0, buf, P, p, out, st);
+  return dispatch(Op::ReduceEncode, nullptr, 0, 0, buf, P, p, out, st);
 }

@@ -4,14 +4,17 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-enum TacoFmt { TACO_E4M3 = 0, TACO_E5M2 = 1, TACO_INT8 = 2, TACO_INT6 = 3 };
-enum TacoDType { TACO_F32 = 0, TACO_BF16 = 1, TACO_F16 = 2 };
+// the code format; taco_binding.cpp exposes it to Python as ext.Fmt, by taco.CodecSpec.fmt's names
+enum TacoFmt { TACO_E4M3, TACO_E5M2, TACO_INT8, TACO_INT6 };
+enum TacoDType { TACO_F32, TACO_BF16, TACO_F16 };
 
+// A codec's parameters for messages of L elements. taco_binding.cpp exposes it as ext.Params with
+// these field names, and taco_kernels.params() fills it by name from a taco.Codec.
 struct TacoParams {
-  int fmt;            // TacoFmt of the codes
-  int adaptive;       // alpha = tau / rms per block (Eq. 6-7)
-  int rotate;         // Walsh-Hadamard per block (Eq. 8)
-  int scale_block;    // per-block absmax scale (Eq. 9); 0 = no scale
+  TacoFmt fmt;        // the codes
+  bool adaptive;      // alpha = tau / rms per block (Eq. 6-7)
+  bool rotate;        // Walsh-Hadamard per block (Eq. 8)
+  bool scale_block;   // per-block absmax scale (Eq. 9); false = no scale
   int nmeta;          // fp32 metadata words per block: [alpha][s]
   float tau, eps, c, qmax;   // c = 1/sqrt(B) rounded to fp32
   long long L;        // elements per message, a multiple of 256

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 import taco
+from lab.emulate import emulated_all_reduce
 from launcher import run_ranks
 from test_codecs import realistic, rel_err
 
@@ -90,7 +91,7 @@ EMULATED = ["taco", "hint6", "hadamard", "tahquant"]       # block, packed, per-
 
 def _emulation(rank, world):
     partials = [realistic(3001, seed=r) for r in range(world)]
-    return [(taco.all_reduce(partials[rank].clone(), codec=c), taco.emulated_all_reduce(partials, codec=c))
+    return [(taco.all_reduce(partials[rank].clone(), codec=c), emulated_all_reduce(partials, codec=c))
             for c in EMULATED]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import taco
+from lab.tahquant import TahQuant
 
 # the definitions, written out again here: (alpha, rotation, scale scope, format)
 DEFS = {
@@ -324,7 +325,7 @@ def test_codec_none_is_the_identity(dtype):
 
 def tahquant_definition(x, L, share=0.5, kappa=4.0, G=64):
     """Tile by tile in float64 with a Sylvester matrix and Python's own sort: the definition in
-    taco.TahQuant's docstring, written out again. Returns (decoded, int3 flags, Hadamard flags)."""
+    lab.tahquant.TahQuant's docstring, written out again. Returns (decoded, int3 flags, Hadamard flags)."""
     H = hadamard_matrix(G) / math.sqrt(G)
     xs = torch.zeros(cdiv(x.numel(), L) * L, dtype=torch.float64)
     xs[:x.numel()] = x.double()
@@ -405,8 +406,8 @@ def test_tahquant_pivot_swap_hides_an_outlier():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64 * 8, generator=g)
     x[64 * 3 + 37] = 100.0
-    with_swap = taco.TahQuant(int3_share=0.0)
-    no_rotation = taco.TahQuant(int3_share=0.0, kappa=math.inf)
+    with_swap = TahQuant(int3_share=0.0)
+    no_rotation = TahQuant(int3_share=0.0, kappa=math.inf)
     tile = slice(64 * 3, 64 * 4)
     e_swap = rel_err(with_swap.roundtrip(x)[tile], x[tile])
     e_plain = rel_err(no_rotation.roundtrip(x)[tile], x[tile])

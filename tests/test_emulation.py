@@ -1,8 +1,9 @@
-"""TP emulation: one process reproduces a real TP=t run's compressed all-reduces."""
+"""lab/emulate.py: one process reproduces a real TP=t run's compressed all-reduces."""
 import pytest
 import torch.distributed as dist
 
 import parallel
+from lab.emulate import emulate_tp
 from launcher import run_ranks
 from model import GPT
 from test_parallel import CFG, _shard_like, _train_steps
@@ -16,7 +17,8 @@ def _real_tp(rank, world, codec):
     # the emulated (unsharded) model's gradients, sliced like this rank's, for comparison
     shard = {}
     for codec_e in (codec, "none"):
-        emu = GPT(CFG, parallel.TPComm(emulate=world, fwd_codec=codec_e, bwd_codec=codec_e, min_bytes=0), seed=3)
+        comm1 = parallel.TPComm(fwd_codec=codec_e, bwd_codec=codec_e)
+        emu = emulate_tp(GPT(CFG, comm1, seed=3), world, comm1)
         el, eg = _train_steps(emu, steps=1)
         shard[codec_e] = (el, {n: _shard_like(model, n, g) for n, g in eg.items()})
     return losses, grads, shard
@@ -44,5 +46,6 @@ def test_emulation_reproduces_real_compressed_tp(t):
 
 def test_uncompressed_emulation_equals_single_rank():
     ref = _train_steps(GPT(CFG, seed=3), steps=4)[0]
-    emu = _train_steps(GPT(CFG, parallel.TPComm(emulate=4, min_bytes=0), seed=3), steps=4)[0]
+    comm = parallel.TPComm()
+    emu = _train_steps(emulate_tp(GPT(CFG, comm, seed=3), 4, comm), steps=4)[0]
     assert emu == pytest.approx(ref, rel=1e-5)

@@ -7,16 +7,17 @@ import pytest
 import torch
 
 import taco
+import taco_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-KERNEL_CODECS = [n for n in taco.CODECS if taco.kernels_support(taco.get_codec(n))]
+KERNEL_CODECS = [n for n in taco.CODECS if taco_kernels.supports(taco.get_codec(n))]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    return taco.load_kernels()
+    return taco_kernels.load()
 
 
 def inputs(n, dtype, seed):

@@ -1,4 +1,4 @@
-"""The single-process model: Hugging Face weight loading, generation, the tokenizer."""
+"""sample.py and the tokenizer: Hugging Face weight loading, generation."""
 import os
 
 import torch
@@ -6,6 +6,7 @@ import torch
 from data.tokenizer import get_encoding
 from launcher import run_ranks
 from model import GPT, GPTConfig
+from sample import from_hf_state_dict, full_logits, generate
 from test_parallel import comm_for
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_gpt2_tiny.pt")
@@ -21,7 +22,7 @@ def test_tokenizer_gives_gpt2_ids():
 
 def test_hf_state_dict_gives_hf_logits():
     fx = torch.load(FIXTURE, weights_only=False)
-    model = GPT.from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"])).eval()
+    model = from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"])).eval()
     idx, ref = fx["idx"], fx["logits"]
     with torch.no_grad():
         logits, _ = model(idx, idx)
@@ -31,9 +32,9 @@ def test_hf_state_dict_gives_hf_logits():
 
 def _hf_tp(rank, world):
     fx = torch.load(FIXTURE, weights_only=False)
-    model = GPT.from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"]), comm_for(rank, world)).eval()
+    model = from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"]), comm_for(rank, world)).eval()
     with torch.no_grad():
-        return model.full_logits(fx["idx"]), fx["logits"][:, -1, :]
+        return full_logits(model, fx["idx"]), fx["logits"][:, -1, :]
 
 
 def test_hf_state_dict_sliced_for_tp2():
@@ -44,7 +45,7 @@ def test_hf_state_dict_sliced_for_tp2():
 def test_generate_is_deterministic_and_in_vocabulary():
     model = GPT(GPTConfig(block_size=8, vocab_size=200, n_layer=1, n_head=2, n_embd=16)).eval()
     idx = torch.zeros(1, 1, dtype=torch.long)
-    a = model.generate(idx, 20, generator=torch.Generator().manual_seed(0))
-    b = model.generate(idx, 20, generator=torch.Generator().manual_seed(0))
+    a = generate(model, idx, 20, generator=torch.Generator().manual_seed(0))
+    b = generate(model, idx, 20, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a, b) and a.shape == (1, 21)
     assert int(a.max()) < 200                     # never a padding id (vocab padded to 256)

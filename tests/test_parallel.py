@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import data_parallel
 import parallel
 import taco
 from launcher import run_ranks
@@ -20,11 +21,11 @@ def comm_for(rank, world, **kw):
 def _ops(rank, world):
     comm = comm_for(rank, world)
     x = (torch.ones(3, 5) * (rank + 1)).requires_grad_()
-    y = parallel.copy_to_tp(x, comm)
+    y = parallel.f(x, torch.eye(5), None, comm)        # f, then a matmul by the identity: exact
     y.backward(torch.ones(3, 5) * (rank + 1))          # f backward: all-reduce of the gradient
     fx, fgrad = y.detach().clone(), x.grad.clone()
     x2 = (torch.ones(3, 5) * (rank + 1)).requires_grad_()
-    z = parallel.reduce_from_tp(x2, comm)               # g forward: all-reduce
+    z = parallel.g(x2, comm)                            # g forward: all-reduce
     z.backward(torch.ones(3, 5) * (rank + 1))          # g backward: identity
     return fx, fgrad, z.detach().clone(), x2.grad.clone()
 
@@ -40,9 +41,10 @@ def test_f_and_g_are_exact(world):
 
 
 def test_group_of_one_skips_communication():
-    comm = parallel.TPComm()             # no process group at all
-    x = torch.randn(4)
-    assert parallel.reduce_from_tp(x, comm) is x and parallel.copy_to_tp(x, comm) is x
+    comm = parallel.TPComm()             # no process group at all: any collective would fail
+    x, w, b = torch.randn(2, 4), torch.randn(3, 4), torch.randn(3)
+    assert parallel.g(x, comm) is x
+    assert torch.equal(parallel.f(x, w, b, comm), F.linear(x, w, b))
 
 
 # --- column / row parallel linear vs nn.Linear ---------------------------------------------------
@@ -159,11 +161,13 @@ def test_model_tp_matches_single_rank(world):
 # --- configuration checks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(tp=2, pp=1, dp=1, world=4), "world size is 4"),
+    (dict(tp=2, pp=1, dp=1, world=4), "the world size 4 is not tp\\*pp\\*dp"),
+    (dict(tp=2, pp=1, world=3), "launch a multiple of tp\\*pp = 2 processes"),
     (dict(tp=3, pp=1, dp=1, world=3, n_head=4), "n_head=4 is not divisible by tp=3"),
     (dict(tp=1, pp=3, dp=1, world=3, n_layer=4), "n_layer=4 is not divisible by pp=3"),
     (dict(tp=0, pp=1, dp=1, world=1), "must be a positive integer"),
     (dict(tp=5, pp=1, dp=1, world=5, n_head=5, n_embd=80, vocab_size=50304), "vocabulary"),
+    (dict(tp=1, pp=2, world=2, schedule="zigzag"), "schedule='zigzag': choose 1f1b or gpipe"),
 ])
 def test_bad_layouts_are_refused(kw, message):
     with pytest.raises(parallel.ConfigError, match=message):
@@ -181,7 +185,7 @@ def _dp_grads(rank, world):
     model = GPT(CFG, seed=3)
     half = slice(2 * rank, 2 * rank + 2)
     model(x[half], y[half])[1].backward()
-    parallel.sync_dp_grads(list(model.parameters()), dist.group.WORLD, world, bucket_numel=5000)
+    data_parallel.sync_dp_grads(list(model.parameters()), dist.group.WORLD, world, bucket_numel=5000)
     ref = GPT(CFG, seed=3)
     ref(x, y)[1].backward()
     return [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
@@ -195,15 +199,14 @@ def test_dp_gradient_averaging_equals_the_whole_batch():
 
 def _zero_vs_adamw(rank, world):
     """The same toy parameters and gradients through ZeroAdamW (dp=world) and torch's AdamW."""
-    par = parallel
-    grid = par.Grid(rank=rank, world=world, dp=world, dp_rank=rank, dp_group=dist.group.WORLD)
+    grid = parallel.Grid(rank=rank, world=world, dp=world, dp_rank=rank, dp_group=dist.group.WORLD)
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (300,), (3, 3, 2)]
     ref = [torch.randn(s, generator=g, requires_grad=True) for s in shapes]
     ours = [p.detach().clone().requires_grad_() for p in ref]
     opt = torch.optim.AdamW([{"params": [p for p in ref if p.dim() >= 2], "weight_decay": 0.1},
                              {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
-    zero = par.ZeroAdamW(ours, grid, 1e-2, (0.9, 0.999), 1e-8, 0.1)
+    zero = data_parallel.ZeroAdamW(ours, grid, 1e-2, (0.9, 0.999), 1e-8, 0.1)
     for step in range(3):
         grads = [torch.randn(s, generator=g) for s in shapes]     # the same on every rank
         for p, q, gr in zip(ref, ours, grads):
@@ -225,7 +228,7 @@ def _overlapped_dp(rank, world):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
     params = list(net.parameters())
-    sync = parallel.DPGradSync(params, dist.group.WORLD, world, bucket_numel=200)
+    sync = data_parallel.DPGradSync(params, dist.group.WORLD, world, bucket_numel=200)
     sync.start(2)                                           # two micro-batches accumulate
     launched_before_finish = []
     for micro in range(2):
@@ -248,7 +251,7 @@ def test_overlapped_dp_sync_starts_buckets_during_backward():
 
 
 def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradient():
-    """ColumnParallelLinearFn: grad_x's all-reduce is STARTED (async) before grad_W and grad_b are
+    """f fused with the matmul: grad_x's all-reduce is STARTED (async) before grad_W and grad_b are
     computed and waited on before returning; gradients equal nn.functional.linear's autograd."""
     events = []
 
@@ -257,6 +260,8 @@ def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradie
             events.append("wait")
 
     class Comm:
+        size, sp = 2, False
+
         def all_reduce(self, x, direction, async_op=False):
             assert direction == "bwd" and async_op
             events.append("start")
@@ -268,7 +273,7 @@ def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradie
     w = torch.randn(6, 8, generator=g, requires_grad=True)
     b = torch.randn(6, generator=g, requires_grad=True)
     gy = torch.randn(3, 5, 6, generator=g)
-    parallel.ColumnParallelLinearFn.apply(x, w, b, Comm()).backward(gy)
+    parallel.f(x, w, b, Comm()).backward(gy)
     ours = (x.grad, w.grad, b.grad)
     x.grad = w.grad = b.grad = None
     F.linear(x, w, b).backward(gy)

@@ -107,7 +107,7 @@ def test_compressed_pipeline_tracks_the_reference(tmp_path, reference):
     identically). The bytes shrink (fp32 -> 4.6 / 8.1 bits: ratio > 4.5) and the loss stays within
     0.02 nats of the uncompressed curve over 4 steps (the loss itself moves ~0.2; measured 1.6e-3)."""
     run(TINY + ["--tp=2", "--pp=2", "--pp_codec=tahquant", "--pp_codec_bwd=hint8",
-                "--gradient_accumulation_steps=4", f"--out_dir={tmp_path}"], nproc=4)
+                "--gradient_accumulation_steps=4", f"--out_dir={tmp_path}"], nproc=4, module="lab.tahquant")
     train, _ = losses(str(tmp_path))
     assert max(abs(a - b) for a, b in zip(train, reference[0])) < 0.02
     assert train != reference[0]                                          # it did compress

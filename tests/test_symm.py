@@ -1,4 +1,4 @@
-"""The symmetric-memory transport of the compressed collectives (taco.symm_workspace): the same
+"""The symmetric-memory transport of the compressed collectives (taco_symm.py): the same
 bits as the torch.distributed path, identical on every rank, across changing sizes, mixed
 collectives, async handles and CUDA-graph replay. Needs 2 GPUs with peer access (NCCL ranks);
 on CPU only the transport choice is tested (gloo)."""
@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import taco
+import taco_kernels
 from launcher import run_ranks
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -26,7 +27,7 @@ def _fingerprint(x):
 
 
 def _symm_cases(rank, world):
-    taco.load_kernels()
+    taco_kernels.load()
     out, fps = {}, []                 # fps: fingerprints of results, compared across ranks at the end
     # 1. all_reduce: symm == dist bit for bit; changing sizes (odd, growing, shrinking), codecs, dtypes
     cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 1000003, torch.bfloat16), ("hint6", 777, torch.float32),

@@ -1,0 +1,289 @@
+"""
+Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said otherwise):
+
+    python -m lab.analysis codecs                 # every codec's error on real TP all-reduce inputs (results/codecs.json)
+    python -m lab.analysis histograms             # the paper's Figs. 4/8 on our TP tensors (results/histograms.png)
+    python -m lab.analysis costmodel              # predicted vs measured step time (results/costmodel.json)
+    python -m lab.analysis trace-report STEPS TRACE...   # where a step's GPU time goes (train.py --profile_steps)
+    python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import parallel
+import taco
+from bench import RESULTS, kernel_kind, save, table, trace_kernels
+from lab.emulate import emulated_all_reduce
+from tests.launcher import run_ranks
+
+
+# -----------------------------------------------------------------------------
+# what the TP all-reduces carry: every codec's error on them, their histograms
+
+def _capture_worker(rank, world, steps):
+    """Train the demo model at TP=world for `steps` steps, then return every TP all-reduce input
+    (forward partial sums and backward partial gradients) of one more step: (direction, tensor)."""
+    from model import GPT, GPTConfig
+    from train import Batches
+    comm = parallel.TPComm(group=dist.group.WORLD, size=world, rank=rank)
+    model = GPT(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128), comm, seed=1337)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+    batches = Batches("small", 64, 8, 1337, 0, "cpu")
+    captured, all_reduce = [], comm.all_reduce
+
+    def capturing(x, direction, async_op=False):              # wraps THE TP all-reduce of this comm
+        if steps_done[0] == steps:
+            captured.append((direction, x.detach().clone()))
+        return all_reduce(x, direction, async_op)
+    comm.all_reduce, steps_done = capturing, [0]
+    for it in range(steps + 1):
+        x, y = batches.get("train", it)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        steps_done[0] += 1
+    return captured
+
+
+def capture_tp_tensors(world=4, steps=100):
+    """[(direction, [rank r's contribution to all-reduce i for r in ranks])] of one training step."""
+    caps = run_ranks(_capture_worker, world, steps)
+    return [(caps[0][i][0], [caps[r][i][1] for r in range(world)]) for i in range(len(caps[0]))]
+
+
+def codec_errors(world=4, steps=100):
+    print(f"capturing TP={world} all-reduce inputs of the demo model after {steps} training steps (CPU, gloo)...")
+    calls = capture_tp_tensors(world, steps)
+    rows = []
+    for name in taco.codec_names():
+        err = {"fwd": [], "bwd": []}
+        snr = []
+        for direction, partials in calls:
+            exact = torch.stack([p.double() for p in partials]).sum(0)
+            got = emulated_all_reduce(partials, codec=name).double()
+            e = ((got - exact).norm() / exact.norm()).item()
+            err[direction].append(e)
+            snr.append(-20 * torch.log10(torch.tensor(max(e, 1e-30))).item())
+        cd = taco.get_codec(name)
+        bpe = 4.0 if cd is taco.IDENTITY else cd.nbytes(256 * 1024) / (256 * 1024)
+        mean = lambda v: sum(v) / len(v)
+        rows.append({"codec": name, "bytes/elem": f"{bpe:.4f}",
+                     "fwd rel err": f"{mean(err['fwd']):.2e}", "bwd rel err": f"{mean(err['bwd']):.2e}",
+                     "worst rel err": f"{max(err['fwd'] + err['bwd']):.2e}", "SNR dB": f"{mean(snr):.1f}"})
+    save("codecs", rows, world=world, steps=steps, allreduces=len(calls),
+         note="relative L2 error of the two-shot compressed all-reduce (emulated, same arithmetic as "
+              "taco.all_reduce) vs the exact fp64 sum of the TP ranks' fp32 partial sums")
+    print(f"\n{len(calls)} TP all-reduces (fwd activations + bwd activation gradients), TP={world}, demo model:")
+    table(rows, ["codec", "bytes/elem", "fwd rel err", "bwd rel err", "worst rel err", "SNR dB"])
+
+
+
+def histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png")):
+    """The paper's Figs. 4 and 8 on our tensors: what enters a TP all-reduce (rank 0's partial sum of
+    the first MLP's forward, and of the first column-parallel layer's input gradient), raw, after a
+    standard block Hadamard, and after ASH (alpha, then Hadamard). Prints the statistics that
+    decide how well 8 bits fit: per-block max/rms and the kurtosis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    calls = capture_tp_tensors(world, steps)
+    # calls in order: embedding, then (attention, MLP) per layer forward; LM head, then per layer backward
+    picks = {"forward (MLP out, layer 0)": calls[2][1],
+             "backward (MLP input grad, last layer)": [d_p for d_p in calls if d_p[0] == "bwd"][1][1]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rows = []
+    for ax, (name, partials) in zip(axes, picks.items()):
+        x = partials[0].float().reshape(-1)
+        n = x.numel() // 256 * 256
+        g = x[:n].view(-1, 256)
+        rms = g.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-30)
+        variants = {"raw": g, "Hadamard": taco.fwht(g) / 16, "ASH (alpha, Hadamard)": taco.fwht(g / rms) / 16}
+        for label, v in variants.items():
+            r = v.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-30)
+            kurt = ((v / r).pow(4).mean()).item()
+            ratio = (v.abs().amax(1, keepdim=True) / r).mean().item()
+            rows.append({"tensor": name, "variant": label, "mean block max/rms": f"{ratio:.2f}",
+                         "kurtosis": f"{kurt:.2f}", "std": f"{v.std().item():.3e}"})
+            ax.hist(v.reshape(-1).numpy(), bins=200, histtype="step", log=True, label=label, density=True)
+        ax.set(title=name, xlabel="value", ylabel="density (log)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"TP={world} all-reduce inputs of the demo model after {steps} steps (rank 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    save("histograms", rows, world=world, steps=steps,
+         note="a Gaussian has kurtosis 3 and, over 256 samples, mean max/rms about 2.9")
+    table(rows, ["tensor", "variant", "mean block max/rms", "kurtosis", "std"])
+    print(f"wrote {path}")
+
+
+# -----------------------------------------------------------------------------
+# where a step's GPU time goes, and what a cost model predicts from the recorded collectives
+
+def _merge(iv):
+    """Sorted, non-overlapping union of [a, b) intervals."""
+    out = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(iv):
+    return sum(b - a for a, b in iv)
+
+
+def _intersect(x, y):
+    """Intersection of two merged interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append([a, b])
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def trace_report(path, steps):
+    """From one rank's chrome trace of `steps` profiled steps: per kernel kind, the GPU time, how
+    much of it ran while a compute kernel ran (hidden behind the matmuls) and how much did not
+    (exposed: on the step's critical path unless another rank waits anyway); per codec kernel, its
+    mean duration alone and beside compute."""
+    ks = trace_kernels(path)
+    span = max(b for _, b, _ in ks) - min(a for a, _, _ in ks)
+    by_kind = {}
+    for a, b, name in ks:
+        by_kind.setdefault(kernel_kind(name), []).append((a, b, name))
+    compute = _merge([(a, b) for a, b, _ in by_kind.get("compute", [])])
+    everything = _merge([(a, b) for a, b, _ in ks])
+    ms = lambda us: us / 1000 / steps
+    rows = [{"kind": "step (first to last kernel)", "kernel ms": f"{ms(span):.1f}", "busy ms": f"{ms(_length(everything)):.1f}",
+             "beside compute": "-", "exposed": f"{ms(span - _length(everything)):.1f} idle"}]
+    for kind, kv in sorted(by_kind.items()):
+        busy = _merge([(a, b) for a, b, _ in kv])
+        hidden = _length(_intersect(busy, compute)) if kind != "compute" else 0
+        rows.append({"kind": kind, "kernel ms": f"{ms(sum(b - a for a, b, _ in kv)):.1f}",
+                     "busy ms": f"{ms(_length(busy)):.1f}",
+                     "beside compute": "-" if kind == "compute" else f"{ms(hidden):.1f}",
+                     "exposed": "-" if kind == "compute" else f"{ms(_length(busy) - hidden):.1f}"})
+    # codec kernels: alone vs beside a matmul (> half their time under a compute kernel)
+    per = {}
+    for a, b, name in by_kind.get("codec kernels", []):
+        op = "reduce_encode" if "reduce_encode" in name else "encode" if "encode" in name else "decode"
+        beside = _length(_intersect([[a, b]], compute)) > (b - a) / 2
+        per.setdefault((op, beside), []).append(b - a)
+    calls = [{"kernel": op, "beside compute": "yes" if beside else "no", "calls/step": len(v) // steps,
+              "mean us": f"{sum(v) / len(v):.1f}"} for (op, beside), v in sorted(per.items())]
+    return rows, calls
+
+
+
+def interp_us(rows, variant, mb, transport="dist"):
+    """All-reduce time (us) of `variant` (chunks=1, on `transport`) at `mb` MiB: log-log
+    interpolation between the two measured sizes around it (results/collective_*.json)."""
+    pts = sorted((r["MB"], float(r["us"])) for r in rows
+                 if r["variant"] == variant and r["chunks"] == 1 and r.get("transport", "dist") == transport)
+    (m0, t0), (m1, t1) = next(((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= mb <= b[0]), pts[-2:])
+    return t0 * (t1 / t0) ** (math.log(mb / m0) / math.log(m1 / m0))
+
+
+def costmodel():
+    """Predicted step time with a codec = measured uncompressed step - n x t_nccl(size) +
+    n x t_codec(size), with n TP all-reduces per step of `size` MiB and the all-reduce times
+    interpolated from the collective benchmark (results/collective_<link>.json), against the
+    measured step (results/e2e_gpt1b_<link>.json, bench.py e2e). gpt1b (configs/gpt1b.py, compiled):
+    82 all-reduces (4 x 20 blocks + embedding + head) of 8 x 2048 x 2048 bf16 = 64 MiB."""
+    rows, model, n_ar, mb = [], "gpt1b", 82, 64
+    for link in ("nvlink", "p2p_disabled"):
+        path = os.path.join(RESULTS, f"e2e_gpt1b_{link}.json")
+        if not os.path.exists(path):
+            continue
+        steps = {}                                   # (codec, transport) -> measured ms/step
+        for r in json.load(open(path))["rows"]:
+            codec, transport = r["codec"], "dist" if link == "p2p_disabled" else "symm"   # auto's choice
+            if "tp_transport=" in codec:
+                codec, transport = codec.split("/")[0].split("=")[1], codec.split("tp_transport=")[1]
+            if r.get("ms/step") and transport in ("dist", "symm"):
+                steps[(codec, "dist" if codec == "none" else transport)] = r["ms/step"]
+        base = steps.get(("none", "dist"))
+        coll = json.load(open(os.path.join(RESULTS, f"collective_{link}.json")))["rows"]
+        t_nccl = interp_us(coll, "nccl bf16", mb)
+        for (codec, transport), meas in sorted(steps.items()):
+            if codec == "none" or base is None:
+                continue
+            t = interp_us(coll, codec, mb, transport)
+            pred = base - n_ar * t_nccl / 1e3 + n_ar * t / 1e3
+            rows.append({"model": model, "link": link, "codec": codec, "transport": transport,
+                         "TP share (none)": f"{100 * n_ar * t_nccl / 1e3 / base:.0f}%",
+                         "t_nccl us": round(t_nccl), "t_codec us": round(t), "none ms": base,
+                         "predicted ms": round(pred, 1), "predicted speedup": f"{base / pred:.2f}x",
+                         "measured ms": meas, "measured speedup": f"{base / meas:.2f}x"})
+    save("costmodel", rows, note=costmodel.__doc__)
+    table(rows, ["model", "link", "codec", "transport", "TP share (none)", "t_nccl us", "t_codec us", "none ms",
+                 "predicted ms", "predicted speedup", "measured ms", "measured speedup"])
+
+
+def curves(paths, out=os.path.join(RESULTS, "loss_curves.png")):
+    """Training loss and tokens/s against step of any set of runs (their out_dir/log.jsonl)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for path in paths:
+        rows = [json.loads(line) for line in open(path)]
+        steps = [r for r in rows if "loss" in r]
+        label = os.path.basename(os.path.dirname(os.path.abspath(path))) if path.endswith("log.jsonl") else os.path.basename(path)
+        axes[0].plot([r["iter"] for r in steps], [r["loss"] for r in steps], label=label)
+        axes[1].plot([r["iter"] for r in steps], [r["tok_s"] for r in steps], label=label)
+    axes[0].set(xlabel="step", ylabel="train loss")
+    axes[1].set(xlabel="step", ylabel="tokens/s")
+    for ax in axes:
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    sub.add_parser("codecs", help="every codec's error on the demo model's TP=4 all-reduce inputs")
+    sub.add_parser("histograms", help="what the all-reduces carry, raw / Hadamard / ASH")
+    sub.add_parser("costmodel", help="predicted vs measured step time from the recorded GPU results")
+    t = sub.add_parser("trace-report", help="per kernel kind: GPU time beside compute vs exposed")
+    t.add_argument("steps", type=int, help="how many steps the traces hold (train.py --profile_steps)")
+    t.add_argument("traces", nargs="+")
+    c = sub.add_parser("curves", help="plot the loss and tokens/s of any runs' log.jsonl")
+    c.add_argument("logs", nargs="+")
+    c.add_argument("--out", default=os.path.join(RESULTS, "loss_curves.png"))
+    a = ap.parse_args(argv)
+    if a.what == "codecs":
+        codec_errors()
+    elif a.what == "histograms":
+        histograms()
+    elif a.what == "costmodel":
+        costmodel()
+    elif a.what == "trace-report":
+        for path in a.traces:
+            rows, calls = trace_report(path, a.steps)
+            print(f"\n{path} (ms per step; streams overlap):")
+            table(rows, ["kind", "kernel ms", "busy ms", "beside compute", "exposed"])
+            if calls:
+                table(calls, ["kernel", "beside compute", "calls/step", "mean us"])
+    else:
+        curves(a.logs, a.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,247 @@
+"""
+The accuracy study: the TACO paper's convergence comparisons at small scale, with TP emulated on
+one GPU (lab/emulate.py), several seeds, paired against the uncompressed run of the same seed.
+
+    python -m lab.study run table1:3,fig11:1 [--jobs=2] [-- train.py overrides]   # resumable runs
+    python -m lab.study report            # the tables, from results/study.json
+    python -m lab.study plot              # results/study.png
+    python -m lab.study tp-real 2 none,hint8 [--seeds=1] [-- train.py overrides]  # real TP next to emulated
+
+Every finished run is appended to results/study.json (key: codec, block, TP, seed, extra
+arguments); runs already there are skipped, so a study can span sessions.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from bench import RESULTS, environment, save, split_at_dashes, table
+
+STUDY = {   # group: (emulated TP degree, [(codec, block size)]); "none" is the uncompressed baseline
+    "table1": (8, [("none", 256), ("taco", 256), ("tahquant", 256), ("hint8", 256)]),
+    "fig11": (4, [("none", 256), ("fp8", 256), ("ds", 256), ("ash", 256), ("taco", 256)]),
+    "fig13": (4, [("none", 256), ("hadamard", 256), ("taco", 256)]),
+    "fig14": (4, [("none", 256), ("taco", 256), ("taco-e5m2", 256), ("taco-int8", 256)]),
+    "table2": (4, [("none", 256)] + [("taco", b) for b in (32, 64, 128, 256, 512)]),
+    "ours": (8, [("none", 256), ("taco", 256), ("hint8", 256), ("hint6", 256)]),
+}
+STUDY_FILE = os.environ.get("NANOTACO_STUDY_FILE", os.path.join(RESULTS, "study.json"))
+
+def study_runs(groups):
+    """The distinct (codec, block, TP, seed) runs of groups {name: seeds}, seed 0 of every run first."""
+    runs = []
+    for seed in range(max(groups.values())):
+        for group, seeds in groups.items():
+            t, cases = STUDY[group]
+            runs += [(codec, block, t, seed) for codec, block in cases
+                     if seed < seeds and (codec, block, t, seed) not in runs]
+    return runs
+
+def run_study(groups, extra, jobs=1):
+    """Train one run per (codec, block, seed) of the groups with configs/study.py (lab.emulate: TP emulated),
+    `jobs` at a time (round-robin over the visible GPUs: the study's model is small, so several
+    runs share a GPU well), appending each finished run's loss curve and final losses to
+    results/study.json. Runs already in the file (same key, same extra arguments) are skipped, so
+    a study can span sessions and an interrupted one resumes where it stopped."""
+
+    root = next((a.split("=", 1)[1] for a in extra if a.startswith("--out_dir=")), os.path.join("out", "study"))
+    extra = [a for a in extra if not a.startswith("--out_dir=")]
+    done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")              # keep the caller's choice of GPUs
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    gpus = gpus if torch.cuda.device_count() else []
+    todo = []
+    for codec, block, t, seed in study_runs(groups):
+        key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
+        if key not in done:
+            todo.append((key, codec, block, t, seed))
+    print(f"study {','.join(groups)}: {len(todo)} runs to do, {jobs} at a time on "
+          f"{len(gpus) or 'no'} GPU(s)", flush=True)
+    running = []
+
+    def finish(key, codec, block, t, seed, out, proc, t0, log):
+        log.close()
+        if proc.returncode != 0:
+            tail = open(os.path.join(out, "stdout.txt")).read()[-2000:]
+            print(f"FAILED ({proc.returncode}): {key}; {out}/stdout.txt ends:\n{tail}", flush=True)
+            return
+        rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
+        evals = [r for r in rows if "val_loss" in r]
+        done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra,
+                     "seconds": round(time.time() - t0, 1), "env": environment(),
+                     "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
+                     "val": [(r["iter"], r["val_loss"]) for r in evals],
+                     "final_val": evals[-1]["val_loss"], "final_train": evals[-1]["train_loss"]}
+        with open(STUDY_FILE + ".tmp", "w") as f:           # cumulative; written after every run
+            json.dump(done, f, indent=1)
+        os.replace(STUDY_FILE + ".tmp", STUDY_FILE)
+        print(f"done in {time.time() - t0:5.0f} s: {key} val {done[key]['final_val']:.4f}", flush=True)
+
+    def reap(limit):
+        """Record finished runs as they finish (in any order) until fewer than `limit` run."""
+        while len(running) >= limit:
+            time.sleep(1)
+            for r in [r for r in running if r[6].poll() is not None]:
+                running.remove(r)
+                finish(*r)
+
+    for i, (key, codec, block, t, seed) in enumerate(todo):
+        reap(jobs)                                          # wait for a free slot
+        out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+        os.makedirs(out, exist_ok=True)
+        cmd = [sys.executable, "-m", "lab.emulate", str(t), "configs/study.py", f"--tp_codec={codec}",
+               f"--codec_block={block}", f"--seed={seed}", *extra, f"--out_dir={out}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        print(" ".join(cmd), flush=True)
+        log = open(os.path.join(out, "stdout.txt"), "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        running.append((key, codec, block, t, seed, out, proc, time.time(), log))
+    reap(1)                                                 # the rest, in the order they finish
+    for group in groups:
+        study_report(group, extra)
+
+def tp_real(tp, codecs, seeds, extra=()):
+    """The study's TP runs trained for real (torchrun, `tp` ranks, one
+    TP group) instead of emulated on one rank; final validation loss next to the emulated run of
+    the same codec and seed from results/study.json (when no extra arguments change the run), and
+    each codec's paired change vs the uncompressed run of the same seed, real and emulated. Real
+    and emulated TP need not agree to the bit (a TP matmul sums in another order), only within the
+    seed-to-seed spread."""
+
+    done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
+    rows = []
+    for seed in range(seeds):
+        for codec in codecs:
+            out = os.path.join("out", f"tp{tp}_real", f"{codec}_seed{seed}")
+            os.makedirs(out, exist_ok=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "train.py",
+                   "configs/study.py", f"--tp={tp}", f"--tp_codec={codec}", f"--seed={seed}", *extra,
+                   f"--out_dir={out}"]
+            print(" ".join(cmd), flush=True)
+            p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+            if p.returncode != 0:
+                print(f"{codec} seed {seed}: FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-2000:]}", flush=True)
+                continue
+            evals = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r]
+            emu = None if extra else done.get(f"{codec}|B256|tp{tp}|seed{seed}|")
+            rows.append({"codec": codec, "seed": seed, "real val": round(evals[-1]["val_loss"], 4),
+                         "emulated val": round(emu["final_val"], 4) if emu else "-"})
+    base = {(r["seed"], k): r[k] for r in rows if r["codec"] == "none" for k in ("real val", "emulated val")}
+    for r in rows:
+        for k, d in (("real val", "real vs none"), ("emulated val", "emulated vs none")):
+            b = base.get((r["seed"], k))
+            ok = isinstance(r[k], float) and isinstance(b, float)
+            r[d] = f"{100 * (r[k] / b - 1):+.2f}%" if ok else "-"
+    save(f"tp{tp}_real", rows, extra=list(extra))
+    table(rows, ["codec", "seed", "real val", "emulated val", "real vs none", "emulated vs none"])
+
+def study_report(group, extra=()):
+    """Final validation loss per codec: mean and spread over seeds, and the change vs the
+    uncompressed baseline, both from the means and PAIRED (same seed: same initialisation and
+    batches, so the seed-to-seed noise cancels; mean and range of the per-seed differences)."""
+    t, runs = STUDY[group]
+    done = json.load(open(STUDY_FILE))
+    by = {}
+    for r in done.values():
+        if r["tp"] == t and r["extra"] == list(extra):
+            by.setdefault((r["codec"], r["block"]), {})[r["seed"]] = r["final_val"]
+    base = by.get(("none", 256), {})
+    rows = []
+    for codec, block in runs:
+        v = by.get((codec, block))
+        if not v:
+            continue
+        vals = list(v.values())
+        mean = sum(vals) / len(vals)
+        row = {"codec": codec, "B": block, "seeds": len(vals), "val loss": f"{mean:.4f}",
+               "seed spread": f"{max(vals) - min(vals):.4f}" if len(vals) > 1 else "-",
+               "vs none (means)": f"{100 * (mean / (sum(base.values()) / len(base)) - 1):+.2f}%" if base else "-"}
+        paired = [100 * (v[s] / base[s] - 1) for s in v if s in base]
+        row["paired"] = "-"
+        if paired and codec != "none":
+            row["paired"] = (f"{sum(paired) / len(paired):+.2f}% [{min(paired):+.2f}, {max(paired):+.2f}]"
+                             if len(paired) > 1 else f"{paired[0]:+.2f}%")
+        rows.append(row)
+    print(f"\nstudy {group} (TP={t} emulated), {os.path.relpath(STUDY_FILE)}:")
+    table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none (means)", "paired"])
+    return rows
+
+def plot_study(path=os.path.join(RESULTS, "study.png")):
+    """Left: every run's final validation loss minus the baseline's of the same seed and TP, per
+    codec (one dot per seed). Right: train-loss curves of the TP=8 runs, seed 0."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    done = json.load(open(STUDY_FILE))
+    base = {(r["tp"], r["seed"]): r["final_val"] for r in done.values() if r["codec"] == "none"}
+    labels = []
+    for group, (t, runs) in STUDY.items():
+        labels += [(t, c, b) for c, b in runs if c != "none" and (t, c, b) not in labels]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
+    ax = axes[0]
+    for i, (t, c, b) in enumerate(labels):
+        pts = [100 * (r["final_val"] / base[(t, r["seed"])] - 1) for r in done.values()
+               if (r["tp"], r["codec"], r["block"]) == (t, c, b) and (t, r["seed"]) in base]
+        ax.scatter([i] * len(pts), pts, color="C0" if t == 8 else "C1", s=18)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(labels)), [f"{c}{'' if b == 256 else f' B{b}'} TP{t}" for t, c, b in labels],
+                  rotation=60, ha="right", fontsize=8)
+    ax.set(ylabel="final val loss vs none, same seed (%)", title="Study: codec effect on final validation loss")
+    ax.set_yscale("symlog", linthresh=1, linscale=3)
+    ax.grid(alpha=0.3)
+    ax = axes[1]
+    ref = {(r["seed"]): dict(r["curve"]) for r in done.values() if r["tp"] == 8 and r["codec"] == "none"}
+    for r in sorted(done.values(), key=lambda r: r["codec"]):
+        if r["tp"] == 8 and r["codec"] != "none" and r["curve"] and r["seed"] in ref:
+            pts = [(i, loss - ref[r["seed"]][i]) for i, loss in r["curve"] if i in ref[r["seed"]]]
+            ax.plot(*zip(*pts), label=f"{r['codec']} seed {r['seed']}", lw=1,
+                    color={"taco": "C3", "hint8": "C1", "hint6": "C2"}.get(r["codec"], "C4"),
+                    ls=["-", "--", ":"][r["seed"] % 3])
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set(xlabel="step", ylabel="train loss minus none (same seed)", title="TP=8 emulated: the gap during training")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+
+def main(argv):
+    argv, train_args = split_at_dashes(argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("run", help="train the missing runs of GROUP[:SEEDS],... (groups: " + ", ".join(STUDY) + ")")
+    r.add_argument("groups")
+    r.add_argument("--seeds", type=int, default=3, help="seeds of a group given without :SEEDS")
+    r.add_argument("--jobs", type=int, default=1, help="runs at a time (round-robin over the GPUs)")
+    sub.add_parser("report", help="the study's tables from results/study.json")
+    sub.add_parser("plot", help="results/study.png")
+    t = sub.add_parser("tp-real", help="the study's runs at real TP=T (torchrun), next to the emulated ones")
+    t.add_argument("tp", type=int)
+    t.add_argument("codecs")
+    t.add_argument("--seeds", type=int, default=1)
+    a = ap.parse_args(argv)
+    if a.what == "run":
+        groups = {g.split(":")[0]: int(g.split(":")[1]) if ":" in g else a.seeds for g in a.groups.split(",")}
+        unknown = [g for g in groups if g not in STUDY]
+        if unknown:
+            raise SystemExit(f"unknown study group {unknown[0]!r}: {', '.join(STUDY)}")
+        run_study(groups, train_args, a.jobs)
+    elif a.what == "report":
+        for group in STUDY:
+            study_report(group)
+    elif a.what == "plot":
+        plot_study()
+    else:
+        tp_real(a.tp, a.codecs.split(","), a.seeds, train_args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

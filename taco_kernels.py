@@ -1,0 +1,100 @@
+"""
+The fused CUDA kernels (taco_kernels.cu), JIT-built on first use into build/taco_kernels, and the
+calls into them. taco.Codec calls encode / decode / reduce_encode for CUDA tensors of a codec that
+supports() covers; taco_symm.py calls the *_peers variants, whose messages sit in the peers'
+symmetric memory.
+
+A codec reaches the kernels as one named struct, TacoParams (taco_kernels.h; taco_binding.cpp
+exposes it as ext.Params with the same field names): params() below fills it by name.
+"""
+import functools
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+MAX_PEERS = 8                  # TACO_MAX_PEERS in taco_kernels.h: messages at up to 8 addresses
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_EXT = None
+
+
+def supports(cd):
+    """The kernels are built for B = 256 and for the (format, rotation, scale) of the codecs in
+    taco.CODECS with a block scale or none: rotated + block scale in E4M3, E5M2, INT8, INT6 (taco,
+    its variants, hint8, hint6), and E4M3 also rotated without a scale (ash) and unrotated (ds, fp8);
+    taco_kernels.cu's dispatch() has one instantiation each. The per-tensor-scale ablations
+    (fp8-tensor, hadamard) need a grid-wide absmax, INT4, other block sizes and other codecs other
+    layouts: those run on the PyTorch reference, also on the GPU."""
+    sp = getattr(cd, "spec", None)
+    if sp is None or cd.B != 256 or sp.scale == "tensor":
+        return False
+    return sp.fmt == "e4m3" or (sp.rotate and sp.scale == "block" and sp.fmt in ("e5m2", "int8", "int6"))
+
+
+def load(verbose=False):
+    """Build (first time: about a minute for the binding; after a kernel edit: seconds, ninja
+    rebuilds only taco_kernels.cu) and load the extension. Under torchrun call it on every rank at
+    start: local rank 0 builds, the others wait at a barrier and then load the finished build
+    (concurrent JIT builds of one directory race, or hang on a stale lock). The GPU's own
+    architecture is built unless TORCH_CUDA_ARCH_LIST says otherwise."""
+    global _EXT
+    if _EXT is not None:
+        return _EXT
+    from torch.utils.cpp_extension import load as jit_load
+    # TACO_NVCC_FLAGS: extra nvcc flags for kernel work, e.g. "-lineinfo" (ncu source view) or
+    # "-DTACO_K=2"; each set of flags gets its own build directory and module name
+    extra = os.environ.get("TACO_NVCC_FLAGS", "").split()
+    tag = "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
+    build = os.path.join(_HERE, "build", "taco_kernels" + tag)
+    os.makedirs(build, exist_ok=True)
+    build_it = lambda: jit_load(name="taco_ext" + tag, sources=[os.path.join(_HERE, "taco_binding.cpp"),
+                                                                os.path.join(_HERE, "taco_kernels.cu")],
+                                extra_cuda_cflags=["-O3", "-fmad=false"] + extra, extra_include_paths=[_HERE],
+                                build_directory=build, verbose=verbose)
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if shared and int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        dist.barrier()                                             # wait for local rank 0's build
+        _EXT = build_it()
+    else:
+        _EXT = build_it()
+        if shared:
+            dist.barrier()
+    return _EXT
+
+
+@functools.lru_cache(maxsize=1024)
+def params(cd, L):
+    """The kernels' TacoParams for codec cd and messages of L elements."""
+    sp, p = cd.spec, load().Params()
+    p.fmt = getattr(load().Fmt, sp.fmt)
+    p.adaptive, p.rotate, p.scale_block, p.nmeta = sp.adaptive, sp.rotate, sp.scale == "block", cd.nmeta
+    p.tau, p.eps, p.c, p.qmax = cd.tau, cd.eps, cd.c, cd.qmax
+    p.L, p.S = L, cd.nbytes(L)
+    return p
+
+
+def encode(cd, x, M, L, into=None):
+    return load().encode(x.contiguous(), M, params(cd, L), into)
+
+
+def decode(cd, buf, L, n, dtype, out=None):
+    target = out if out is not None and out.is_contiguous() else torch.empty(n, dtype=dtype, device=buf.device)
+    load().decode(buf.contiguous(), target, params(cd, L))
+    if out is not None and target is not out:
+        out.copy_(target)
+        return out
+    return target
+
+
+def reduce_encode(cd, buf, L):
+    return load().reduce_encode(buf.contiguous(), params(cd, L))
+
+
+# messages at raw device addresses (the peers' symmetric memory): results into `out`
+def decode_peers(cd, ptrs, L, out):
+    return load().decode_peers(ptrs, out, params(cd, L))
+
+
+def reduce_encode_peers(cd, ptrs, L, out):
+    return load().reduce_encode_peers(ptrs, out, params(cd, L))

@@ -1,0 +1,189 @@
+"""
+The symmetric-memory transport of taco's collectives: inside one node, the compressed messages go
+peer to peer, not through NCCL.
+
+Every rank of a TP group maps one buffer from PyTorch's symmetric memory
+(torch.distributed._symmetric_memory), so a kernel on rank r reads rank q's messages straight from
+q's GPU over NVLink. The two-shot all-reduce (taco.py, steps 1-6) then becomes three kernels and
+two barriers on one side stream:
+
+    1-2. encode my tensor into my buffer A (W messages, message q for rank q)
+    3.   barrier                              (the all-to-all: every A is ready to be read)
+    4.   reduce_encode of every rank's A[me], in rank order, into my B
+    5.   barrier                              (the all-gather: every B is ready)
+    6.   decode every rank's B (all W shards, mine included) into the tensor
+
+The kernels are the ones of the torch.distributed path (they take message addresses), so the
+bytes, and the results, are the same bit for bit.
+"""
+import functools
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import taco_kernels
+
+_WORKSPACES = {}
+
+
+def workspace(x, group, has_kernels, transport):
+    """The symmetric-memory workspace for a collective of x, or None for the torch.distributed path.
+    transport: "dist" (NCCL, gloo), "symm" (required: an error if impossible), or "auto" = symm when
+    x is on a GPU, the kernels cover the codec (has_kernels), every rank of the group is on this node
+    with peer access between all GPUs, and NCCL_P2P_DISABLE is not set (it stands for a host-staged
+    link, where the NCCL path is the one being measured)."""
+    if transport == "dist":
+        return None
+    why = _why_not(x, group, has_kernels)
+    if why is not None:
+        if transport == "symm":
+            raise RuntimeError(f"taco: transport='symm' is impossible here: {why}; use transport='dist' or 'auto'")
+        return None
+    key = ((group or dist.group.WORLD).group_name, x.device)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = Workspace(group, x.device)
+    return _WORKSPACES[key]
+
+
+def _why_not(x, group, has_kernels):
+    """Why the symmetric-memory transport cannot carry this collective, or None if it can."""
+    env = os.environ.get
+    if not x.is_cuda:
+        return "the tensor is not on a GPU"
+    if not has_kernels:
+        return "the codec has no fused kernel (the B=256 block codecs have)"
+    if dist.get_world_size(group) > taco_kernels.MAX_PEERS:
+        return f"more than {taco_kernels.MAX_PEERS} ranks"
+    if env("LOCAL_WORLD_SIZE") is None:
+        return "LOCAL_WORLD_SIZE is unset (torchrun sets it): cannot tell that the job is on one node"
+    if env("LOCAL_WORLD_SIZE") != env("WORLD_SIZE"):
+        return "the job spans more than one node"
+    if not _peer_access_everywhere():
+        return "no peer access between the GPUs"
+    if env("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return "NCCL_P2P_DISABLE is set"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _peer_access_everywhere():
+    n = torch.cuda.device_count()
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
+
+
+class Workspace:
+    """A buffer in symmetric memory, one per (group, device), mapped by every rank of the group.
+
+    Layout: [ A: W messages | B: 1 message ]. Order of one call (all on this workspace's stream):
+      all_reduce:         write my A; barrier; reduce every peer's A[me] into my B; barrier;
+                          decode every peer's B
+      gather_messages:    write my A; barrier; read the peers' A; barrier
+    Why no call can overwrite what a peer still reads: every read of an A comes before a barrier
+    that its owner passes before writing A again; B is written only after the call's first
+    barrier, which a peer reaches only after it finished reading the previous B. symm_mem's
+    barrier consumes its signals (put: 0 -> 1 on the peer, wait: 1 -> 0 on mine), so a stale
+    flag from an earlier call cannot satisfy a later one, also when a CUDA graph replays it.
+    Growing the buffer is collective (every rank makes the same calls with the same sizes) and
+    cannot happen inside a CUDA-graph capture: run the collective once before capturing. Old
+    buffers are kept (a peer may still read them); sizes double, so that costs < 2x."""
+
+    def __init__(self, group, device):
+        self.group, self.device = group, device
+        self.group_name = (group or dist.group.WORLD).group_name
+        self.W, self.me = dist.get_world_size(group), dist.get_rank(group)
+        self.stream = torch.cuda.Stream(device)
+        self.buf, self.hdl, self.ptrs, self.retired = None, None, [], []
+
+    def reserve(self, nbytes):
+        if self.buf is not None and self.buf.numel() >= nbytes:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("taco: the symmetric-memory buffer must grow, which cannot be captured in a "
+                               "CUDA graph: run the collective once with the same sizes before capturing")
+        import torch.distributed._symmetric_memory as symm_mem
+        with warnings.catch_warnings():                  # needed by older torch, a deprecated no-op in newer
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+        size = max(nbytes, 2 * (0 if self.buf is None else self.buf.numel()), 1 << 20)
+        if self.buf is not None:
+            self.retired.append((self.buf, self.hdl))
+        self.buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+        self.hdl = symm_mem.rendezvous(self.buf, self.group_name)
+        self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
+
+    @torch.compiler.disable            # streams and raw addresses: run eagerly, also inside torch.compile
+    def run(self, fn, async_op, then=None):
+        """fn() on this workspace's stream, ordered after the caller's stream; the caller's stream
+        waits for it now, or at handle.wait() (async_op: other work meanwhile, e.g. the weight-
+        gradient matmuls), and then runs then()."""
+        from taco import Pending
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))     # the input is ready
+        with torch.cuda.stream(self.stream):
+            fn()
+
+        def done():
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            if then is not None:
+                then()
+        if async_op:
+            return Pending(done)
+        done()
+
+    def all_reduce(self, flat, cd, stats, async_op, then=None):
+        W, me = self.W, self.me
+        L = cd.padded(-(-flat.numel() // W))
+        S = cd.nbytes(L)
+        self.reserve((W + 1) * S)
+
+        def fn():
+            taco_kernels.encode(cd, flat, W, L, into=self.buf[:W * S])              # 1-2. my A
+            self.hdl.barrier(channel=0)                                              # 3.
+            taco_kernels.reduce_encode_peers(cd, [p + me * S for p in self.ptrs], L, self.buf[W * S:(W + 1) * S])
+            self.hdl.barrier(channel=1)                                              # 5.
+            taco_kernels.decode_peers(cd, [p + W * S for p in self.ptrs], L, flat)  # 6. every B
+        if stats is not None:
+            stats.add(2 * (W - 1) * S, 2 * (W - 1) * flat.numel() * flat.element_size() / W)
+        return self.run(fn, async_op, then)
+
+    def all_reduce_plain(self, flat, stats, async_op, then=None):
+        """Uncompressed: PyTorch's own symmetric-memory two-shot all-reduce, the fastest
+        uncompressed one inside a node and so a baseline to beat. Its input must live in symmetric
+        memory: flat is copied in, and the sum is written back to flat (one extra copy of the
+        tensor, which the compressed path avoids: its encode kernel reads flat and writes A)."""
+        n, esize = flat.numel(), flat.element_size()
+        npad = -(-n // (16 // esize)) * (16 // esize)        # the op wants 16-byte multiples: zero padding
+        nbytes = npad * esize
+        self.reserve(nbytes)
+        op = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
+
+        def fn():
+            buf = self.buf[:nbytes].view(flat.dtype)
+            buf[:n].copy_(flat)
+            if npad > n:
+                buf[n:].zero_()
+            if op is not None and npad == n:
+                op(buf, "sum", self.group_name, flat)
+            else:                                            # in place, then copy back
+                torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
+                flat.copy_(buf[:n])
+        if stats is not None:
+            logical = 2 * (self.W - 1) * nbytes / self.W
+            stats.add(logical, logical)
+        return self.run(fn, async_op, then)
+
+    def gather_messages(self, cd, x, M, L, msg):
+        """Encode x as M messages into my A, then decode message `msg` of every rank's A
+        (rank order) into a (W, L) fp32 tensor (reduce_scatter: msg = my rank; all_gather: M = 1)."""
+        S = cd.nbytes(L)
+        self.reserve(M * S)
+        out = torch.empty(self.W, L, dtype=torch.float32, device=self.device)
+
+        def fn():
+            taco_kernels.encode(cd, x, M, L, into=self.buf[:M * S])
+            self.hdl.barrier(channel=0)
+            taco_kernels.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
+            self.hdl.barrier(channel=1)                      # nobody rewrites its A before all have read it
+        self.run(fn, async_op=False)
+        return out, S

@@ -1,0 +1,134 @@
+"""The lab's tools and bench.py's plumbing, on CPU: the study runner, real TP next to emulated, the
+end-to-end benchmark, the kernel timeline's analysis, the cost model, the run plots."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import bench
+from lab import analysis
+from test_train import ROOT, TINY
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def sh(cmd, **env):
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return p
+
+
+def test_interp_us_is_log_log_and_per_transport():
+    rows = [{"MB": mb, "variant": "hint8", "chunks": 1, "transport": tr, "us": str(us)}
+            for tr, scale in (("dist", 100), ("symm", 50)) for mb, us in ((1, scale), (4, 4 * scale), (16, 8 * scale))]
+    assert analysis.interp_us(rows, "hint8", 2) == pytest.approx(200)          # t ~ MB between 1 and 4
+    assert analysis.interp_us(rows, "hint8", 2, "symm") == pytest.approx(100)
+    assert analysis.interp_us(rows, "hint8", 8) == pytest.approx(400 * 2 ** 0.5)   # t ~ sqrt(MB) between 4 and 16
+
+
+def test_costmodel_from_the_committed_gpu_results(tmp_path):
+    for f in ("collective_nvlink.json", "collective_p2p_disabled.json", "e2e_gpt1b_nvlink.json",
+              "e2e_gpt1b_p2p_disabled.json"):
+        shutil.copy(os.path.join(ROOT, "results", f), tmp_path)
+    sh(["-m", "lab.analysis", "costmodel"], NANOTACO_RESULTS=str(tmp_path))
+    rows = json.load(open(tmp_path / "costmodel.json"))["rows"]
+    assert {(r["link"], r["codec"], r["transport"]) for r in rows} >= {("nvlink", "hint8", "symm"),
+                                                                      ("p2p_disabled", "hint8", "dist")}
+    for r in rows:                       # predicted = none - n t_nccl + n t_codec, as the docstring says
+        assert r["predicted ms"] == pytest.approx(r["none ms"] + 82 * (r["t_codec us"] - r["t_nccl us"]) / 1e3, abs=0.2)
+
+
+def timeline(tmp_path):
+    """A hand-made timeline (ms): compute 0-10 and 20-30; an encode 5-15 (half of it beside compute),
+    a decode 12-16 and an NCCL kernel 40-50 (alone); nothing runs 16-20 and 30-40."""
+    k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts * 1000, "dur": dur * 1000}
+    ev = [k("gemm", 0, 10), k("gemm", 20, 10), k("void encode_kernel<1>", 5, 10), k("void decode_kernel<1>", 12, 4),
+          k("ncclDevKernel_SendRecv", 40, 10)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    return str(path)
+
+
+def test_trace_report_splits_hidden_and_exposed_time(tmp_path):
+    path = timeline(tmp_path)
+    rows, calls = analysis.trace_report(path, steps=1)
+    by = {r["kind"]: r for r in rows}
+    assert (by["step (first to last kernel)"]["kernel ms"], by["step (first to last kernel)"]["exposed"]) == ("50.0", "14.0 idle")
+    assert (by["codec kernels"]["kernel ms"], by["codec kernels"]["busy ms"]) == ("14.0", "11.0")     # 5-16 busy
+    assert (by["codec kernels"]["beside compute"], by["codec kernels"]["exposed"]) == ("5.0", "6.0")
+    assert (by["comm: nccl"]["beside compute"], by["comm: nccl"]["exposed"]) == ("0.0", "10.0")
+    assert by["compute"]["busy ms"] == "20.0"
+    # per kernel: "beside compute" needs more than half of it under a compute kernel (the encode has half)
+    assert {(c["kernel"], c["beside compute"], c["mean us"]) for c in calls} == {("encode", "no", "10000.0"),
+                                                                                 ("decode", "no", "4000.0")}
+    rows, calls = analysis.trace_report(path, steps=2)                                      # per step
+    assert {r["kind"]: r for r in rows}["compute"]["kernel ms"] == "10.0"
+
+
+def test_kernel_time_by_kind_from_a_trace(tmp_path):
+    """bench.py e2e's compute / comm / codec columns: GPU time per step by kernel kind."""
+    assert bench.kernel_ms_by_kind(timeline(tmp_path), steps=2) == pytest.approx(
+        {"compute": 10.0, "codec kernels": 7.0, "comm: nccl": 5.0})
+    names = ["sm90_xmma_gemm_bf16bf16_bf16f32", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+             "void (anonymous namespace)::reduce_encode_kernel(TacoMsgs, int)",
+             "void c10d::symmetric_memory::barrier_kernel(unsigned int**)",
+             "void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 2>(...)",
+             "Memcpy DtoD (Device -> Device)"]
+    assert [bench.kernel_kind(n) for n in names] == ["compute", "comm: nccl", "codec kernels", "comm: symm barrier",
+                                                     "comm: symm two-shot", "memcpy/memset"]
+
+
+def test_study_runner_is_cumulative(tmp_path):
+    """lab.study run: one emulated-TP run per codec, two at a time, appended to the study file; a
+    second invocation finds them all done and only reports."""
+    tiny = ["--dataset=small", "--max_iters=2", "--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=32",
+            "--batch_size=2", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2",
+            "--log_interval=1", f"--out_dir={tmp_path}/runs"]
+    cmd = ["-m", "lab.study", "run", "fig13", "--seeds=1", "--jobs=2", "--", *tiny]
+    sh(cmd, NANOTACO_STUDY_FILE=str(tmp_path / "study.json"))
+    runs = json.load(open(tmp_path / "study.json"))
+    assert sorted(r["codec"] for r in runs.values()) == ["hadamard", "none", "taco"]
+    assert all(r["tp"] == 4 and len(r["curve"]) == 2 for r in runs.values())
+    second = sh(cmd, NANOTACO_STUDY_FILE=str(tmp_path / "study.json"))
+    assert "lab.emulate" not in second.stdout and "vs none" in second.stdout
+
+
+def test_emulation_refuses_what_it_cannot_emulate():
+    p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--taco_chunks=2", *TINY], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0 and "tp=1, pp=1, taco_chunks=1" in p.stdout + p.stderr
+
+
+def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
+    """lab.study tp-real, at TP=2 on CPU with a tiny model: one run per codec, the paired change vs
+    the uncompressed run of the same seed."""
+    sh(["-m", "lab.study", "tp-real", "2", "none,hint8", "--", "--dataset=small", "--device=cpu", "--max_iters=4",
+        "--eval_interval=4", "--warmup_iters=1", "--lr_decay_iters=4", *TINY, f"--out_dir={tmp_path}/runs"],
+       NANOTACO_RESULTS=str(tmp_path))
+    rows = json.load(open(tmp_path / "tp2_real.json"))["rows"]
+    assert [(r["codec"], r["seed"]) for r in rows] == [("none", 0), ("hint8", 0)]
+    assert rows[0]["real vs none"] == "+0.00%" and rows[1]["real vs none"] != "-"
+    assert all(r["emulated val"] == "-" for r in rows)      # extra arguments: no study run to compare with
+    assert abs(rows[1]["real val"] / rows[0]["real val"] - 1) < 0.05
+
+
+def test_e2e_benchmark_runs_every_entry_in_one_invocation(tmp_path):
+    """bench.py e2e: one training per entry, same invocation, a table with the speedup column (on CPU
+    the times mean nothing: the GPU results are in results/e2e_*.json); then lab.analysis curves
+    plots their logs."""
+    sh(["bench.py", "e2e", "configs/demo.py", "none,hint8,tp_codec=taco/tp_transport=dist", "--nproc=2",
+        "--tag=cputest", "--", "--max_iters=4", "--log_interval=1", "--pp=1", "--gradient_accumulation_steps=1",
+        "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2"], NANOTACO_RESULTS=str(tmp_path))
+    res = json.load(open(tmp_path / "e2e_cputest.json"))
+    assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "tp_codec=taco/tp_transport=dist"]
+    assert res["rows"][0]["speedup"] == "1.00x"
+    for r in res["rows"][1:]:
+        assert r["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
+    assert res["rows"][1]["loss"] != res["rows"][2]["loss"]                         # hint8 vs taco: both ran
+    logs = [os.path.join(ROOT, "out", f"cputest_{e}", "log.jsonl") for e in ("none", "hint8")]
+    sh(["-m", "lab.analysis", "curves", *logs, f"--out={tmp_path}/curves.png"])
+    assert os.path.getsize(tmp_path / "curves.png") > 10000
