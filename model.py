@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 import parallel
 
@@ -182,10 +181,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):                        # x: (B, T, C), with sequence parallelism (B, T/tp, C)
         qkv = self.qkv(x)                                                          # (B, T, 3C/tp) = [Q|K|V]
-        q, k, v = rearrange(qkv, "b t (three h d) -> three b h t d", three=3, h=self.n_head)  # (B, h/tp, T, hd)
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2))   # (B, h/tp, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))   # (B, T, C/tp) -> (B, T, C)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))     # (B, T, C/tp) -> (B, T, C)
 
 
 class MLP(nn.Module):

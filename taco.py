@@ -494,10 +494,10 @@ def _alternative(x, group, cd, transport):
     symm = cd is IDENTITY and transport == "symm"                 # uncompressed over symmetric memory
     if cd is IDENTITY and not symm:
         def plain(x, stats, async_op):
-            if stats is not None:
+            work = dist.all_reduce(x, group=group, async_op=async_op)
+            if stats is not None:          # after the collective: torch.compile's graph breaks there anyway
                 logical = 2 * (W - 1) * x.numel() * x.element_size() / W
                 stats.add(logical, logical)
-            work = dist.all_reduce(x, group=group, async_op=async_op)
             return work if async_op else x
         return plain
     ws = taco_symm.workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
