@@ -1,15 +1,12 @@
 """
-Benchmarks, each side by side with its baseline in one run. Each prints a short table last and
-writes its full results (with date, machine, versions and the exact command) to results/<name>.json.
+Benchmarks, each side by side with its baseline in one run; each prints a short table last and
+writes its full results (date, machine, versions, the command) to results/<name>.json.
 
     python bench.py kernels                                  # GPU: fused kernels vs copy bandwidth vs PyTorch
     torchrun --nproc_per_node=2 bench.py collective nvlink   # GPUs: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
-
-Studies and analyses of recorded results live in lab/ (README, "The lab").
 """
 import argparse
-import gzip
 import json
 import os
 import platform
@@ -23,11 +20,20 @@ import torch.distributed as dist
 import taco
 import taco_kernels
 
-RESULTS = os.environ.get("NANOTACO_RESULTS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.environ.get("NANOTACO_RESULTS", os.path.join(ROOT, "results"))
+
+
+def command():
+    """How this process was started, relative to the repository (no machine paths in results)."""
+    prog = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    if prog.startswith("lab" + os.sep):
+        prog = "-m " + prog[:-3].replace(os.sep, ".")
+    return " ".join(["python", prog, *sys.argv[1:]])
 
 
 def environment():
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": " ".join(sys.argv),
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": command(),
            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
            "cpu_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
@@ -243,34 +249,6 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
 # -----------------------------------------------------------------------------
 # end-to-end training throughput: the same config with each codec, one invocation
 
-def kernel_kind(name):
-    """What a CUDA kernel is: the TP transport (NCCL kernels, symmetric-memory barriers, torch's
-    symmetric-memory all-reduce), our codec kernels, copies, or the rest (compute)."""
-    name = name.lower()
-    return ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
-            "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
-            "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
-            "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
-
-
-def trace_kernels(path):
-    """(start us, end us, name) of every GPU kernel, copy and memset in a chrome trace (train.py
-    --profile_steps writes one per rank)."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        ev = json.load(f)
-    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-
-
-def kernel_ms_by_kind(path, steps):
-    """GPU time per step (ms) of the traced kernels, by kernel_kind. Kernels on different streams
-    overlap (communication runs beside the matmuls), so the kinds can add up to more than the step."""
-    kinds = {}
-    for a, b, name in trace_kernels(path):
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a) / 1000 / steps
-    return kinds
-
-
 def _e2e_row(entry, out):
     """The row of one trained entry: mean step time over the log lines after the first (the profiled
     steps excluded), tokens/s and MFU of that mean step, GPU kernel time per step by kind."""
@@ -283,6 +261,7 @@ def _e2e_row(entry, out):
     if not logs:
         raise SystemExit(f"{entry}: too few steps to time; raise --max_iters or lower --log_interval")
     ms, last = sum(r["ms"] for r in logs) / len(logs), logs[-1]
+    from lab.analysis import kernel_ms_by_kind                 # the lab reads kernel timelines
     k = kernel_ms_by_kind(os.path.join(out, "trace_rank0.json.gz"), prof["steps"]) if prof else {}
     mfu = last["mfu"] * last["ms"] / ms if last.get("mfu") is not None else None
     return {"codec": entry, "ms/step": round(ms, 2), "tok/s": round(last["tok_s"] * last["ms"] / ms),
@@ -307,22 +286,18 @@ def bench_e2e(config, entries, nproc, extra, tag="e2e", profile_steps=5):
                *settings, "--eval_interval=0", "--sample_tokens=0", "--progress=False", "--ckpt_interval=-1",
                f"--profile_steps={profile_steps if torch.cuda.is_available() else 0}", *extra, f"--out_dir={out}"]
         print(" ".join(cmd), flush=True)
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=int(os.environ.get("E2E_TIMEOUT", 900)))
-        except subprocess.TimeoutExpired as e:                   # e.g. a hung collective: say so, go on
-            p = subprocess.CompletedProcess(cmd, 124, (e.stdout or b"").decode(errors="replace"),
-                                            (e.stderr or b"").decode(errors="replace") + "\nTIMEOUT")
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "output.txt"), "w") as f:
-            f.write(p.stdout + "\n" + p.stderr)
-        if p.returncode != 0:                    # report the first rank's traceback, go on with the next entry
-            lines = (p.stdout + "\n" + p.stderr).splitlines()
+        with open(os.path.join(out, "output.txt"), "w") as f:                 # everything train.py printed
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=int(os.environ.get("E2E_TIMEOUT", 900))).returncode
+            except subprocess.TimeoutExpired:                                # e.g. a hung collective
+                rc = "timeout"
+        if rc != 0:                              # say so with the first traceback, go on with the next entry
+            lines = open(os.path.join(out, "output.txt")).read().splitlines()
             first = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
-            print(f"{entry}: train.py FAILED (exit {p.returncode}); {out}/output.txt has everything:\n"
-                  + "\n".join(lines[first:first + 40]), flush=True)
-            rows.append({"codec": entry, "ms/step": None, "failed": True})
-            continue
-        rows.append(_e2e_row(entry, out))
+            print(f"{entry}: train.py FAILED ({rc}); {out}/output.txt:\n" + "\n".join(lines[first:first + 40]))
+        rows.append(_e2e_row(entry, out) if rc == 0 else {"codec": entry, "ms/step": None, "failed": True})
     base = rows[0]["ms/step"]
     for r in rows:
         r["speedup"] = f"{base / r['ms/step']:.2f}x" if base and r["ms/step"] else "FAILED"

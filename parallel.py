@@ -175,10 +175,6 @@ class TPComm:
         return out.view(t * self.size, B, C).transpose(0, 1).contiguous()
 
 
-def tp_comm_from_grid(grid, **kw):
-    return TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, **kw)
-
-
 def f(x, weight, bias, comm):
     """f, then the column-parallel matmul it precedes: x W^T + b on this rank's output slice."""
     return F.linear(x, weight, bias) if comm.size == 1 else _F.apply(x, weight, bias, comm)

@@ -716,7 +716,7 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
   }
 }
 
-// The codecs of taco.CODECS that the kernels cover (taco.kernels_support says the same): rotated
+// The codecs of taco.CODECS that the kernels cover (taco_kernels.supports says the same): rotated
 // with a block scale in every format; E4M3 also rotated without a scale (ash), and unrotated with
 // (ds) or without (fp8) a block scale. False: not built.
 bool dispatch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,

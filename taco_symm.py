@@ -33,7 +33,7 @@ def workspace(x, group, has_kernels, transport):
     transport: "dist" (NCCL, gloo), "symm" (required: an error if impossible), or "auto" = symm when
     x is on a GPU, the kernels cover the codec (has_kernels), every rank of the group is on this node
     with peer access between all GPUs, and NCCL_P2P_DISABLE is not set (it stands for a host-staged
-    link, where the NCCL path is the one being measured)."""
+    link, and the NCCL path is the one that crosses it)."""
     if transport == "dist":
         return None
     why = _why_not(x, group, has_kernels)

@@ -19,7 +19,6 @@ import sys
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,6 +26,7 @@ import data_parallel
 import parallel
 import taco
 import taco_kernels
+from data.loader import Batches
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -151,28 +151,6 @@ def check_config(cfg, world):
             raise parallel.ConfigError(f"{path} is missing: run  python data/prepare.py {cfg['dataset']}")
 
 
-class Batches:
-    """Random windows from a uint16 memmap. Stateless: the batch for (iteration, micro-step,
-    dp rank) is a pure function of the seed, so resuming from a checkpoint is bit-exact. DP rank d
-    of D takes the global micro-batches d, D + d, 2D + d, ...: one rank with D times the
-    micro-steps sees exactly the same samples (what the parity tests compare)."""
-
-    def __init__(self, dataset, block_size, batch_size, seed, dp_rank, device, dp=1):
-        self.data = {s: np.memmap(os.path.join("data", dataset, f"{s}.bin"), dtype=np.uint16, mode="r")
-                     for s in ("train", "val")}
-        self.T, self.B, self.seed, self.dp_rank, self.dp, self.device = block_size, batch_size, seed, dp_rank, dp, device
-
-    def get(self, split, it, micro=0):
-        data = self.data[split]
-        g = micro * self.dp + self.dp_rank                        # the global micro-batch index
-        key = (((self.seed * 1_000_003 + (split == "val")) * 1_000_003 + it) * 1009 + g) * 1009
-        g = torch.Generator().manual_seed(key % 2 ** 62)
-        ix = torch.randint(len(data) - self.T - 1, (self.B,), generator=g).tolist()
-        x = torch.stack([torch.from_numpy(data[i:i + self.T].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
-
 def get_lr(it, c):
     if it < c["warmup_iters"]:
         return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
@@ -252,10 +230,10 @@ def setup(cfg, model_hook=None):
               + [c["pp_codec"], c["pp_codec_bwd"]] * (grid.pp > 1))
     if use_cuda and any(taco_kernels.supports(taco.get_codec(k, c["codec_block"])) for k in codecs if k):
         taco_kernels.load()                                  # every rank; local rank 0 builds first
-    comm = parallel.tp_comm_from_grid(grid, fwd_codec=c["tp_codec"], bwd_codec=c["tp_codec_bwd"] or c["tp_codec"],
-                                      block_size=c["codec_block"], chunks=c["taco_chunks"],
-                                      min_bytes=c["taco_min_bytes"], sp=c["sequence_parallel"],
-                                      transport=c["tp_transport"])
+    comm = parallel.TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, fwd_codec=c["tp_codec"],
+                           bwd_codec=c["tp_codec_bwd"] or c["tp_codec"], block_size=c["codec_block"],
+                           chunks=c["taco_chunks"], min_bytes=c["taco_min_bytes"], sp=c["sequence_parallel"],
+                           transport=c["tp_transport"])
     mcfg = GPTConfig(block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
                      dropout=c["dropout"], bias=c["bias"])
     model = GPT(mcfg, comm, seed=c["seed"], stage=grid.pp_rank, stages=grid.pp).to(dev)
@@ -286,12 +264,13 @@ def build_optimizer(r):
     c, grid, params = r.cfg, r.grid, list(r.model.parameters())
     if c["zero1"]:
         r.zero = r.opt = data_parallel.ZeroAdamW(params, grid, c["learning_rate"], (c["beta1"], c["beta2"]), 1e-8,
-                                            c["weight_decay"], grad_codec=c["dp_codec"], param_codec=c["zero_codec"],
-                                            block_size=c["codec_block"], stats=r.dp_stats)
+                                                 c["weight_decay"], grad_codec=c["dp_codec"],
+                                                 param_codec=c["zero_codec"], block_size=c["codec_block"],
+                                                 stats=r.dp_stats)
         return
     if grid.dp > 1:
-        r.dpsync = data_parallel.DPGradSync(params, grid.dp_group, grid.dp, codec=c["dp_codec"], block_size=c["codec_block"],
-                                       stats=r.dp_stats, overlap=c["dp_overlap"])
+        r.dpsync = data_parallel.DPGradSync(params, grid.dp_group, grid.dp, codec=c["dp_codec"],
+                                            block_size=c["codec_block"], stats=r.dp_stats, overlap=c["dp_overlap"])
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": c["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     r.opt = torch.optim.AdamW(groups, lr=c["learning_rate"], betas=(c["beta1"], c["beta2"]), fused=r.use_cuda)

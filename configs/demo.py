@@ -3,11 +3,10 @@
 # over 2 tensor-parallel ranks; TP all-reduces and the activations/gradients between the stages
 # are compressed with the default codec (hint8).
 #   torchrun --nproc_per_node=4 train.py configs/demo.py
-# About 3.5 minutes on 2 CPU cores; the loss falls from 10.8 (uniform over 50257 tokens) to ~6 and
-# the sample at the end is English-looking word salad in a play's layout: it is a 7M-parameter
-# model that has seen 100k tokens. (--tp=2 --pp=1 --gradient_accumulation_steps=1 --batch_size=8
-# with 2 processes is the same model and data budget on TP alone; add --zero1=True and 8 processes
-# for dp=2 with a sharded optimizer.)
+# The loss starts at ln(50257) = 10.8 (uniform over the vocabulary); the sample at the end shows what
+# a 7M-parameter model learns from 100k tokens. (--tp=2 --pp=1 --gradient_accumulation_steps=1
+# --batch_size=8 with 2 processes is the same model and data budget on TP alone; add --zero1=True and
+# 8 processes for dp=2 with a sharded optimizer.)
 out_dir = "out/demo"
 dataset = "small"
 n_layer = 4

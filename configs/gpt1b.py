@@ -1,8 +1,8 @@
-# A ~1B-parameter GPT (1.01B non-embedding, 1.11B in all) at TP=2 on two GPUs: the strong baseline of
-# the end-to-end throughput benchmark (issue 7). bf16 autocast, fused AdamW, SDPA flash attention;
-# no bias (fewer small kernels). Large enough that the matmuls, not the launches, set the pace.
+# A ~1B-parameter GPT (1.01B non-embedding, 1.11B in all) at TP=2 on two GPUs: the baseline of the
+# end-to-end throughput benchmark. bf16 autocast, fused AdamW, SDPA flash attention; no bias (fewer
+# small kernels). Large enough that the matmuls, not the launches, set the pace.
 #   torchrun --nproc_per_node=2 train.py configs/gpt1b.py --compile=True
-#   python bench.py e2e configs/gpt1b.py none,hint8 2 gpt1b --compile=True --max_iters=30
+#   python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b_nvlink -- --compile=True --max_iters=30
 out_dir = "out/gpt1b"
 dataset = "large"
 n_layer = 20

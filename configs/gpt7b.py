@@ -1,5 +1,5 @@
 # The paper's largest end-to-end model shape, GPT-6.7B (32 x 4096, 32 heads), for TP=4 / TP=8 on
-# 4- or 8-GPU machines (issue 8; .ci/gpu_tp48):
+# 4- or 8-GPU machines (bash .ci/gpu tp48):
 #   torchrun --nproc_per_node=8 train.py configs/gpt7b.py --tp=8 --compile=True
 # 6.7B parameters with fp32 AdamW state are ~107 GB: 13-27 GB per GPU at TP=8 / TP=4, plus the
 # activations of 16k tokens per step.

@@ -1,7 +1,6 @@
-# Accuracy study (bench.py study): a small GPT-2 trained on a third of the large dataset
-# on ONE GPU, with TP emulated (tp_emulate, set per run by the study) so TP=4/8 compression is
-# reproduced exactly without 8 GPUs. 300 x 32 x 256 = 2.5M tokens of the 6.7M-token train split
-# (sized so that the whole study, 27 runs, fits one 10-minute device call: see .ci/gpu_study).
+# The accuracy study (python -m lab.study): a small GPT-2 trained on a third of the large dataset on
+# ONE GPU, with TP emulated (python -m lab.emulate T, T set per run by the study) so that TP=4/8
+# compression is reproduced without 8 GPUs. 300 x 32 x 256 = 2.5M tokens of the 6.7M-token train split.
 out_dir = "out/study"
 dataset = "large"
 n_layer = 6

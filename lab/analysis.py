@@ -8,6 +8,7 @@ Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said 
     python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
 """
 import argparse
+import gzip
 import json
 import math
 import os
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 import parallel
 import taco
-from bench import RESULTS, kernel_kind, save, table, trace_kernels
+from bench import RESULTS, save, table
 from lab.emulate import emulated_all_reduce
 from tests.launcher import run_ranks
 
@@ -30,7 +31,7 @@ def _capture_worker(rank, world, steps):
     """Train the demo model at TP=world for `steps` steps, then return every TP all-reduce input
     (forward partial sums and backward partial gradients) of one more step: (direction, tensor)."""
     from model import GPT, GPTConfig
-    from train import Batches
+    from data.loader import Batches
     comm = parallel.TPComm(group=dist.group.WORLD, size=world, rank=rank)
     model = GPT(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128), comm, seed=1337)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
@@ -124,6 +125,34 @@ def histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png"))
 
 # -----------------------------------------------------------------------------
 # where a step's GPU time goes, and what a cost model predicts from the recorded collectives
+
+def kernel_kind(name):
+    """What a CUDA kernel is: the TP transport (NCCL kernels, symmetric-memory barriers, torch's
+    symmetric-memory all-reduce), our codec kernels, copies, or the rest (compute)."""
+    name = name.lower()
+    return ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
+            "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
+            "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
+            "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
+
+
+def trace_kernels(path):
+    """(start us, end us, name) of every GPU kernel, copy and memset in a chrome trace (train.py
+    --profile_steps writes one per rank)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        ev = json.load(f)
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def kernel_ms_by_kind(path, steps):
+    """GPU time per step (ms) of the traced kernels, by kernel_kind. Kernels on different streams
+    overlap (communication runs beside the matmuls), so the kinds can add up to more than the step."""
+    kinds = {}
+    for a, b, name in trace_kernels(path):
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a) / 1000 / steps
+    return kinds
+
 
 def _merge(iv):
     """Sorted, non-overlapping union of [a, b) intervals."""

@@ -27,9 +27,33 @@ def _all_reduce_cases(rank, world):
     return [_all_reduce(rank, world, n, codec, chunks, torch.float32) for codec, n, chunks in CASES]
 
 
+def _suite(rank, world):
+    """Every check of this file that runs at `world` ranks, on one launch (a launch costs seconds)."""
+    out = {"cases": _all_reduce_cases(rank, world)}
+    if world == 2:
+        out["bf16"] = _all_reduce(rank, world, 64 * 1024, "hint8", 2, torch.bfloat16)
+        out["nan"] = _nonfinite(rank, world)
+    if world == 3:
+        out["none"] = _all_reduce(rank, world, 5000, "none", 1, torch.float32)
+        out["emulation"] = _emulation(rank, world)
+    if world == 4:
+        out["rs_ag"] = {codec: _rs_ag(rank, world, codec) for codec in ("none", "hint8", "taco")}
+    return out
+
+
+_LAUNCHES = {}
+
+
+def at(world, key):
+    """[what rank r's _suite returned under `key`, for r in ranks]: one launch per world size."""
+    if world not in _LAUNCHES:
+        _LAUNCHES[world] = run_ranks(_suite, world)
+    return [r[key] for r in _LAUNCHES[world]]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_all_reduce_close_and_bitwise_identical(world):
-    per_rank = run_ranks(_all_reduce_cases, world)          # one launch runs every case
+    per_rank = at(world, "cases")
     for i, (codec, n, chunks) in enumerate(CASES):
         out0 = per_rank[0][i][0]
         for rank in range(world):
@@ -43,12 +67,12 @@ def test_all_reduce_close_and_bitwise_identical(world):
 
 
 def test_codec_none_equals_dist_all_reduce():
-    for out, ref, stats in run_ranks(_all_reduce, 3, 5000, "none", 1, torch.float32):
+    for out, ref, stats in at(3, "none"):
         assert torch.equal(out, ref) and stats.ratio == 1.0
 
 
 def test_bf16_all_reduce_keeps_dtype_and_halves_the_bytes():
-    for out, ref, stats in run_ranks(_all_reduce, 2, 64 * 1024, "hint8", 2, torch.bfloat16):
+    for out, ref, stats in at(2, "bf16"):
         assert out.dtype == torch.bfloat16
         assert rel_err(out.float(), ref.float()) < 0.02
         assert 1.9 < stats.ratio < 2.0                  # (256 + 4) bytes per 256 bf16 elements
@@ -62,7 +86,7 @@ def _nonfinite(rank, world):
 
 
 def test_nan_on_one_rank_propagates_to_all():
-    for out in run_ranks(_nonfinite, 2):
+    for out in at(2, "nan"):
         assert torch.isnan(out[100]) and torch.isfinite(out[256:]).all()
 
 
@@ -79,7 +103,7 @@ def _rs_ag(rank, world, codec):
 
 @pytest.mark.parametrize("codec", ["none", "hint8", "taco"])
 def test_reduce_scatter_and_all_gather(codec):
-    results = run_ranks(_rs_ag, 4, codec)
+    results = [r[codec] for r in at(4, "rs_ag")]
     for rs, ref, ag, ag_ref in results:
         tol = 0 if codec == "none" else 0.05
         assert rel_err(rs, ref) <= tol and rel_err(ag, ag_ref) <= tol
@@ -96,6 +120,6 @@ def _emulation(rank, world):
 
 
 def test_single_process_emulation_is_bitwise_the_real_collective():
-    for per_codec in run_ranks(_emulation, 3):
+    for per_codec in at(3, "emulation"):
         for codec, (real, emulated) in zip(EMULATED, per_codec):
             assert torch.equal(real, emulated), codec

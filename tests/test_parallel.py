@@ -30,10 +30,22 @@ def _ops(rank, world):
     return fx, fgrad, z.detach().clone(), x2.grad.clone()
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_f_and_g_are_exact(world):
+def _tp_suite(rank, world):
+    """Every TP check of this file on one launch of `world` ranks (a launch costs seconds)."""
+    return {"ops": _ops(rank, world), "linears": _linears(rank, world), "xent": _xent(rank, world),
+            "model": _model_tp_vs_single(rank, world)}
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def tp(request):
+    """(world, [what rank r's _tp_suite returned for r in ranks])."""
+    return request.param, run_ranks(_tp_suite, request.param)
+
+
+def test_f_and_g_are_exact(tp):
+    world, results = tp
     total = world * (world + 1) // 2
-    for rank, (fx, fgrad, gz, ggrad) in enumerate(run_ranks(_ops, world)):
+    for rank, (fx, fgrad, gz, ggrad) in enumerate(r["ops"] for r in results):
         assert torch.equal(fx, torch.ones(3, 5) * (rank + 1))
         assert torch.equal(fgrad, torch.ones(3, 5) * total)
         assert torch.equal(gz, torch.ones(3, 5) * total)
@@ -69,10 +81,9 @@ def _linears(rank, world):
                 w2=(row.weight.grad, row.shard(ref2.weight.grad)), b2=(row.bias.grad, ref2.bias.grad))
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_column_row_parallel_match_nn_linear(world):
+def test_column_row_parallel_match_nn_linear(tp):
     # fp32; the TP partial sums are added in a different order than one matmul: rounding only
-    for res in run_ranks(_linears, world):
+    for res in (r["linears"] for r in tp[1]):
         for name, (ours, ref) in res.items():
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -94,9 +105,8 @@ def _xent(rank, world):
     return loss.detach(), ref.detach(), local.grad, ref_in.grad.chunk(world, dim=1)[rank]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_cross_entropy(world):
-    for loss, ref, grad, ref_grad in run_ranks(_xent, world):
+def test_vocab_parallel_cross_entropy(tp):
+    for loss, ref, grad, ref_grad in (r["xent"] for r in tp[1]):
         torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
 
@@ -144,12 +154,11 @@ def _model_tp_vs_single(rank, world):
     return init_equal, losses, ref_losses, grad_pairs
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_model_tp_matches_single_rank(world):
+def test_model_tp_matches_single_rank(tp):
     # Same initial parameters bit for bit (full init from the seed, then sliced). Losses and
     # gradients differ only by fp32 summation order (partial sums over TP ranks, split softmax):
     # relative 1e-5 on the loss and 1e-4 (rtol) / 1e-6 (atol) on gradients after one step.
-    for init_equal, losses, ref_losses, grads in run_ranks(_model_tp_vs_single, world):
+    for init_equal, losses, ref_losses, grads in (r["model"] for r in tp[1]):
         assert init_equal
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
         assert losses == pytest.approx(ref_losses, rel=1e-5)        # the loss curve over 5 AdamW steps
@@ -191,8 +200,19 @@ def _dp_grads(rank, world):
     return [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
 
 
-def test_dp_gradient_averaging_equals_the_whole_batch():
-    for pairs in run_ranks(_dp_grads, 2):
+def _dp_suite(rank, world):
+    return {"grads": _dp_grads(rank, world), "zero": _zero_vs_adamw(rank, world),
+            "overlap": _overlapped_dp(rank, world), "async": _async_all_reduce(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def dp():
+    """What rank r of 2 returned from _dp_suite (the functions below), for r in ranks."""
+    return run_ranks(_dp_suite, 2)
+
+
+def test_dp_gradient_averaging_equals_the_whole_batch(dp):
+    for pairs in (r["grads"] for r in dp):
         for g, ref in pairs:                      # small buckets: several all-reduces, big params alone
             torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
@@ -217,8 +237,8 @@ def _zero_vs_adamw(rank, world):
     return [p.detach() for p in ref], [q.detach() for q in ours], zero.m.numel(), sum(p.numel() for p in ref)
 
 
-def test_zero_adamw_is_adamw_with_a_sharded_state():
-    for ref, ours, state, n in run_ranks(_zero_vs_adamw, 2):
+def test_zero_adamw_is_adamw_with_a_sharded_state(dp):
+    for ref, ours, state, n in (r["zero"] for r in dp):
         for a, b in zip(ref, ours):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         assert state == 256 and state < n                        # 1/dp of the 398 values, padded to a block
@@ -240,10 +260,10 @@ def _overlapped_dp(rank, world):
     return launched_before_finish, len(sync.buckets), mine, [p.grad for p in params]
 
 
-def test_overlapped_dp_sync_starts_buckets_during_backward():
+def test_overlapped_dp_sync_starts_buckets_during_backward(dp):
     """Buckets start only once the LAST micro-batch has accumulated (none after micro-batch 0, all
     of them by the end of micro-batch 1's backward, before finish()); the result is the average."""
-    out = run_ranks(_overlapped_dp, 2)
+    out = [r["overlap"] for r in dp]
     for launched, nbuckets, _, avg in out:
         assert nbuckets >= 3 and launched == [0, nbuckets]
         for i, g in enumerate(avg):
@@ -292,6 +312,6 @@ def _async_all_reduce(rank, world):
     return x, taco.all_reduce(y, codec="hint8")
 
 
-def test_async_all_reduce_equals_the_blocking_one():
-    for a, b in run_ranks(_async_all_reduce, 2):
+def test_async_all_reduce_equals_the_blocking_one(dp):
+    for a, b in (r["async"] for r in dp):
         assert torch.equal(a, b)
