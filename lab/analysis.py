@@ -271,17 +271,22 @@ def curves(paths, out=os.path.join(RESULTS, "loss_curves.png")):
     for path in paths:
         rows = [json.loads(line) for line in open(path)]
         steps = [r for r in rows if "loss" in r]
-        label = os.path.basename(os.path.dirname(os.path.abspath(path))) if path.endswith("log.jsonl") else os.path.basename(path)
+        label = os.path.basename(os.path.dirname(os.path.abspath(path)) if path.endswith("log.jsonl") else path)
         axes[0].plot([r["iter"] for r in steps], [r["loss"] for r in steps], label=label)
         axes[1].plot([r["iter"] for r in steps], [r["tok_s"] for r in steps], label=label)
     axes[0].set(xlabel="step", ylabel="train loss")
     axes[1].set(xlabel="step", ylabel="tokens/s")
+    save_figure(fig, axes, out)
+
+
+def save_figure(fig, axes, path):
+    """Legends and grids on every panel, then the PNG."""
     for ax in axes:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def main(argv):

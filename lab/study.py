@@ -178,6 +178,7 @@ def plot_study(path=os.path.join(RESULTS, "study.png")):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from lab.analysis import save_figure
     done = json.load(open(STUDY_FILE))
     base = {(r["tp"], r["seed"]): r["final_val"] for r in done.values() if r["codec"] == "none"}
     labels = []
@@ -205,12 +206,7 @@ def plot_study(path=os.path.join(RESULTS, "study.png")):
                     ls=["-", "--", ":"][r["seed"] % 3])
     ax.axhline(0, color="k", lw=0.8)
     ax.set(xlabel="step", ylabel="train loss minus none (same seed)", title="TP=8 emulated: the gap during training")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
-
+    save_figure(fig, [ax], path)
 
 
 def main(argv):
