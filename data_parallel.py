@@ -87,14 +87,6 @@ class DPGradSync:
         self.micro = 0
 
 
-def sync_dp_grads(params, group, world, **kw):
-    """Average the gradients over the DP group now (after the backward pass): DPGradSync, no hooks."""
-    if world > 1:
-        sync = DPGradSync(params, group, world, overlap=False, **kw)
-        sync.start(1)
-        sync.finish()
-
-
 class ZeroAdamW:
     """ZeRO stage 1 (Rajbhandari et al. 2020): AdamW whose state — fp32 master weights and both
     moments — is sharded over the DP group, so each DP rank holds 1/dp of it.

@@ -79,12 +79,8 @@ def encode(cd, x, M, L, into=None):
 
 
 def decode(cd, buf, L, n, dtype, out=None):
-    target = out if out is not None and out.is_contiguous() else torch.empty(n, dtype=dtype, device=buf.device)
-    load().decode(buf.contiguous(), target, params(cd, L))
-    if out is not None and target is not out:
-        out.copy_(target)
-        return out
-    return target
+    out = torch.empty(n, dtype=dtype, device=buf.device) if out is None else out     # the binding checks it
+    return load().decode(buf.contiguous(), out, params(cd, L))
 
 
 def reduce_encode(cd, buf, L):

@@ -10,11 +10,9 @@ Config (nanoGPT style): the globals below are the defaults; a config file is pla
 that override them; --key=value overrides are type-checked against the default's type.
 """
 import ast
-import gzip
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from types import SimpleNamespace
@@ -362,10 +360,9 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
                         ("dp", r.dp_stats, r.grid.dp > 1)):
         if on:              # this rank's bytes on the wire, and how much less than uncompressed
             line += f" | {name}{f' {s.calls:3d} ar' if name == 'tp' else ''} {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}"
-    record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu,
-                  tp_wire_bytes=r.comm.stats.wire_bytes, tp_ratio=r.comm.stats.ratio,
-                  dp_wire_bytes=r.dp_stats.wire_bytes, dp_ratio=r.dp_stats.ratio,
-                  pp_wire_bytes=r.pp_stats.wire_bytes, pp_ratio=r.pp_stats.ratio)
+    record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu)
+    for name, s in (("tp", r.comm.stats), ("dp", r.dp_stats), ("pp", r.pp_stats)):
+        record.update({f"{name}_wire_bytes": s.wire_bytes, f"{name}_ratio": s.ratio})
     return line, record
 
 
@@ -373,11 +370,7 @@ def write_trace(r, prof, steps, seconds):
     """The profiled steps' CUDA kernel timeline of this rank (chrome trace, gzipped: chrome://tracing,
     or bench.py e2e / lab.analysis trace-report read it), and on rank 0 profile.json."""
     os.makedirs(r.cfg["out_dir"], exist_ok=True)
-    path = os.path.join(r.cfg["out_dir"], f"trace_rank{r.grid.rank}.json")
-    prof.export_chrome_trace(path)
-    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-        shutil.copyfileobj(f, g)
-    os.remove(path)
+    prof.export_chrome_trace(os.path.join(r.cfg["out_dir"], f"trace_rank{r.grid.rank}.json.gz"))
     if r.grid.rank == 0:
         with open(os.path.join(r.cfg["out_dir"], "profile.json"), "w") as f:
             json.dump({"steps": steps, "wall_ms_per_step": 1000 * seconds / steps}, f)

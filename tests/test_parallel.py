@@ -194,7 +194,9 @@ def _dp_grads(rank, world):
     model = GPT(CFG, seed=3)
     half = slice(2 * rank, 2 * rank + 2)
     model(x[half], y[half])[1].backward()
-    data_parallel.sync_dp_grads(list(model.parameters()), dist.group.WORLD, world, bucket_numel=5000)
+    sync = data_parallel.DPGradSync(list(model.parameters()), dist.group.WORLD, world, bucket_numel=5000, overlap=False)
+    sync.start(1)
+    sync.finish()                                 # every bucket after the backward
     ref = GPT(CFG, seed=3)
     ref(x, y)[1].backward()
     return [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
