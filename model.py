@@ -299,13 +299,10 @@ class GPT(nn.Module):
             x = block(x)
         if not self.last:
             return x, None
-        x = self.ln_f(x)
-        if targets is None:
+        if targets is None:                                      # generation: the last position only
             assert not self.comm.sp, "the last position alone: not with sequence parallelism"
-            x = x[:, -1:, :]
-        logits = self.lm_head(x)                                                     # (B, T, V/tp)
-        if targets is None:
-            return logits, None
+            return self.lm_head(self.ln_f(x)[:, -1:, :]), None                     # (B, 1, V/tp)
+        logits = self.lm_head(self.ln_f(x))                                          # (B, T, V/tp)
         n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded
         loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
                                                self.wte.start, n_real, self.comm.group)

@@ -151,16 +151,14 @@ def rank_order_sum(parts):
 
 
 def fdiv(a, b):
-    """a / b rounded once to fp32, identically on every backend: the quotient is computed in
-    float64 and rounded (exact for fp32 operands), which is what the kernels' IEEE fp32 division
-    gives. (torch's own fp32 ops are not enough: on CUDA, tensor / python-float is a multiply by
-    the reciprocal, and a vectorised CPU sqrt can be 1 ulp off.)"""
+    """a / b rounded once to fp32, as the kernels' IEEE division does, identically on every backend
+    (computed in float64, exact for fp32 operands; on CUDA, tensor / float multiplies by a reciprocal)."""
     b = b.double() if torch.is_tensor(b) else torch.full_like(a, b, dtype=torch.float64)
     return (a.double() / b).float()
 
 
 def fsqrt(a):
-    """sqrt rounded once to fp32 (computed in float64: exact for fp32 inputs), like the kernels' sqrtf."""
+    """sqrt rounded once to fp32 (in float64), like the kernels' sqrtf (a vectorised CPU sqrt can be 1 ulp off)."""
     return torch.sqrt(a.double()).float()
 
 
@@ -442,7 +440,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     alternative = _alternative(x, group, cd, transport)
     if alternative is not None:
         return alternative(x, stats, async_op)
-    W, n, flat = dist.get_world_size(group), x.numel(), _flat(x)
+    W, n, flat = dist.get_world_size(group), x.numel(), x.reshape(-1)    # a view, or a copy if x is not contiguous
     pending, wire = [], 0
     for a, b in _plan_chunks(n, W, cd.B, chunks):
         # === 1. W shards of L elements (whole blocks);  2. compress each: (W, S) bytes, message r for rank r ===
@@ -504,7 +502,7 @@ def _alternative(x, group, cd, transport):
         return None
 
     def over_symm(x, stats, async_op):
-        flat = _flat(x)                    # a non-contiguous x: flat is a copy, written back at the end
+        flat = x.reshape(-1)               # a non-contiguous x: flat is a copy, written back at the end
         then = None if flat.data_ptr() == x.data_ptr() else (lambda: x.copy_(flat.view_as(x)))
         if cd is IDENTITY:
             handle = ws.all_reduce_plain(flat, stats, async_op, then)
@@ -512,10 +510,6 @@ def _alternative(x, group, cd, transport):
             handle = ws.all_reduce(flat, cd, stats, async_op, then)
         return handle if async_op else x
     return over_symm
-
-
-def _flat(x):
-    return x.view(-1) if x.is_contiguous() else x.reshape(-1)
 
 
 def _plan_chunks(n, W, B, chunks):

@@ -75,19 +75,10 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const T
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<TacoFmt>(m, "Fmt")
       .value("e4m3", TACO_E4M3).value("e5m2", TACO_E5M2).value("int8", TACO_INT8).value("int6", TACO_INT6);
-  py::class_<TacoParams>(m, "Params")
-      .def(py::init<>())
-      .def_readwrite("fmt", &TacoParams::fmt)
-      .def_readwrite("adaptive", &TacoParams::adaptive)
-      .def_readwrite("rotate", &TacoParams::rotate)
-      .def_readwrite("scale_block", &TacoParams::scale_block)
-      .def_readwrite("nmeta", &TacoParams::nmeta)
-      .def_readwrite("tau", &TacoParams::tau)
-      .def_readwrite("eps", &TacoParams::eps)
-      .def_readwrite("c", &TacoParams::c)
-      .def_readwrite("qmax", &TacoParams::qmax)
-      .def_readwrite("L", &TacoParams::L)
-      .def_readwrite("S", &TacoParams::S);
+#define FIELD(name) .def_readwrite(#name, &TacoParams::name)        // the same name on both sides
+  py::class_<TacoParams>(m, "Params").def(py::init<>()) FIELD(fmt) FIELD(adaptive) FIELD(rotate) FIELD(scale_block)
+      FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S);
+#undef FIELD
   m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
         py::arg("x"), py::arg("M"), py::arg("p"), py::arg("into") = py::none());
   m.def("decode", [](torch::Tensor buf, torch::Tensor out, const TacoParams& p) {
