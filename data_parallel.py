@@ -96,7 +96,7 @@ class ZeroAdamW:
     slice d. A step:
         1. reduce-scatter the flat gradient over DP (taco.reduce_scatter: compressed by grad_codec),
            divide by dp: each rank holds the averaged gradient of its slice only;
-        2. the caller clips with the global norm (sq_norms() gives this rank's squares);
+        2. the caller clips with the global norm (reduce_grads returns this slice's squares);
         3. AdamW on the slice, exactly torch.optim.AdamW's arithmetic (decoupled weight decay,
            bias-corrected moments), into the exact fp32 master slice;
         4. all-gather the new parameters. With param_codec (SDP4Bit, arXiv 2410.15526: 4-bit

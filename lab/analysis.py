@@ -20,7 +20,7 @@ import torch.distributed as dist
 import parallel
 import taco
 from bench import RESULTS, save, table
-from lab.emulate import emulated_all_reduce
+from lab.emulate import emulated_all_reduce  # (and with it the codec `tahquant`)
 from tests.launcher import run_ranks
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import parallel
 import taco
 import train
+from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
 from model import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, autocast_input
 
 

@@ -2,7 +2,7 @@
 tahquant — a TAH-Quant-style tile codec (arXiv 2506.01352, "Tile-wise Adaptive Hadamard
 Quantization"): the TACO paper's TP baseline (its Table 1), and a codec for the activations between
 pipeline stages. Same interface as taco.Codec; PyTorch only, no fused kernel. Importing the lab
-registers it as taco codec `tahquant`; to train with it:
+registers it as taco codec `tahquant` (lab.emulate and lab.analysis import it); to train with it:
 
     torchrun --nproc_per_node=4 -m lab.tahquant configs/demo.py --pp_codec=tahquant --pp_codec_bwd=hint8
 """
