@@ -440,7 +440,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     alternative = _alternative(x, group, cd, transport)
     if alternative is not None:
         return alternative(x, stats, async_op)
-    W, n, flat = dist.get_world_size(group), x.numel(), x.reshape(-1)    # a view, or a copy if x is not contiguous
+    W, n, flat = dist.get_world_size(group), x.numel(), x.contiguous().view(-1)   # a copy only if x is not contiguous
     pending, wire = [], 0
     for a, b in _plan_chunks(n, W, cd.B, chunks):
         # === 1. W shards of L elements (whole blocks);  2. compress each: (W, S) bytes, message r for rank r ===
@@ -502,7 +502,7 @@ def _alternative(x, group, cd, transport):
         return None
 
     def over_symm(x, stats, async_op):
-        flat = x.reshape(-1)               # a non-contiguous x: flat is a copy, written back at the end
+        flat = x.contiguous().view(-1)     # a non-contiguous x: flat is a copy, written back at the end
         then = None if flat.data_ptr() == x.data_ptr() else (lambda: x.copy_(flat.view_as(x)))
         if cd is IDENTITY:
             handle = ws.all_reduce_plain(flat, stats, async_op, then)

@@ -238,6 +238,7 @@ def setup(cfg, model_hook=None):
     if model_hook is not None:
         model_hook(model, comm)
     r = SimpleNamespace(cfg=c, grid=grid, dev=dev, dtype=ptdtype, use_cuda=use_cuda, comm=comm, model=model,
+                        params=list(model.parameters()),
                         fwd_model=torch.compile(model) if c["compile"] else model,
                         autocast=torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32),
                         batches=Batches(c["dataset"], c["block_size"], c["batch_size"], c["seed"], grid.dp_rank,
@@ -259,7 +260,7 @@ def setup(cfg, model_hook=None):
 
 def build_optimizer(r):
     """AdamW (weight decay on 2-D weights only), with DP gradient averaging, or ZeRO-1's sharded AdamW."""
-    c, grid, params = r.cfg, r.grid, list(r.model.parameters())
+    c, grid, params = r.cfg, r.grid, r.params
     if c["zero1"]:
         r.zero = r.opt = data_parallel.ZeroAdamW(params, grid, c["learning_rate"], (c["beta1"], c["beta2"]), 1e-8,
                                                  c["weight_decay"], grad_codec=c["dp_codec"],
@@ -306,7 +307,7 @@ def mean_loss(r, split, it, n, train):
 
 def train_step(r, it):
     """One optimizer step: forward/backward of every micro-batch, gradient syncs, clip, update.
-    Returns the step's mean loss (on the device) and the gradient norm."""
+    Returns the step's mean loss (on the device), the gradient norm and the learning rate."""
     c, grid = r.cfg, r.grid
     lr = get_lr(it, c)
     for group in r.opt.param_groups if r.zero is None else ():
@@ -319,10 +320,9 @@ def train_step(r, it):
     loss = mean_loss(r, "train", it, c["gradient_accumulation_steps"], train=True)
     if r.dpsync is not None:
         r.dpsync.finish()             # first: it writes the DP averages over .grad (the sums below commute)
-    params = list(r.model.parameters())
-    parallel.sync_sp_grads(params, r.comm)
+    parallel.sync_sp_grads(r.params, r.comm)
     parallel.sync_tied_grads(r.model, grid)
-    gnorm, coef = clip_grad_norm(params, c["grad_clip"], grid, r.zero)
+    gnorm, coef = clip_grad_norm(r.params, c["grad_clip"], grid, r.zero)
     if r.zero is not None:                               # ZeRO-1: reduce-scatter, clip, step, all-gather
         r.zero.step(lr, coef)
     else:

@@ -39,16 +39,15 @@ def _capture_worker(rank, world, steps):
     captured, all_reduce = [], comm.all_reduce
 
     def capturing(x, direction, async_op=False):              # wraps THE TP all-reduce of this comm
-        if steps_done[0] == steps:
-            captured.append((direction, x.detach().clone()))
+        captured.append((direction, x.detach().clone()))
         return all_reduce(x, direction, async_op)
-    comm.all_reduce, steps_done = capturing, [0]
     for it in range(steps + 1):
+        if it == steps:
+            comm.all_reduce = capturing                       # the last step's all-reduce inputs
         x, y = batches.get("train", it)
         model(x, y)[1].backward()
         opt.step()
         opt.zero_grad()
-        steps_done[0] += 1
     return captured
 
 

@@ -20,7 +20,7 @@ import parallel
 import taco
 import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
-from model import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, autocast_input
+from model import ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelEmbedding, autocast_input
 
 
 def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
@@ -159,7 +159,7 @@ def check(cfg, t):
                          f"no sequence_parallel")
     try:
         parallel.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                              vocab_size=-(-50257 // 128) * 128, n_layer=cfg["n_layer"])
+                              vocab_size=GPTConfig().padded_vocab, n_layer=cfg["n_layer"])
     except parallel.ConfigError as e:
         raise SystemExit(f"config error: TP={t} emulated: {e}")
 

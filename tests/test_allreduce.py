@@ -32,6 +32,7 @@ def _suite(rank, world):
     out = {"cases": _all_reduce_cases(rank, world)}
     if world == 2:
         out["bf16"] = _all_reduce(rank, world, 64 * 1024, "hint8", 2, torch.bfloat16)
+        out["strided"] = _strided(rank, world)
         out["nan"] = _nonfinite(rank, world)
     if world == 3:
         out["none"] = _all_reduce(rank, world, 5000, "none", 1, torch.float32)
@@ -83,6 +84,19 @@ def _nonfinite(rank, world):
     if rank == 1:
         x[100] = float("nan")
     return taco.all_reduce(x, codec="hint8")
+
+
+def _strided(rank, world):
+    base = realistic(2 * 3001, seed=rank)
+    x, ref = base[::2], base[::2].clone()                  # a non-contiguous 1-D view, and its copy
+    taco.all_reduce(x, codec="hint8")
+    taco.all_reduce(ref, codec="hint8")
+    return x, ref, base[1::2], realistic(2 * 3001, seed=rank)[1::2]
+
+
+def test_non_contiguous_input_is_reduced_in_place_like_its_copy():
+    for x, ref, untouched, original in at(2, "strided"):
+        assert torch.equal(x, ref) and torch.equal(untouched, original)   # the other half stays as it was
 
 
 def test_nan_on_one_rank_propagates_to_all():
