@@ -28,6 +28,7 @@ Pipeline parallelism splits the blocks over pp stages and runs microbatches thro
 GPipe or 1F1B schedule (point-to-point sends of the (B, T, C) activations and their gradients).
 Data parallelism is in data_parallel.py.
 """
+import datetime
 import math
 import os
 from dataclasses import dataclass, field
@@ -98,15 +99,18 @@ def check_layout(tp, pp, world, dp=None, n_head=None, n_embd=None, vocab_size=No
     return world // (tp * pp)
 
 
-def init_grid(tp=1, pp=1, backend=None):
+def init_grid(tp=1, pp=1, backend=None, timeout=None):
     """Read torchrun's environment, init the default process group and build the TP/PP/DP groups.
-    Without torchrun (no WORLD_SIZE) this is a single process and no group is created."""
+    Without torchrun (no WORLD_SIZE) this is a single process and no group is created. A collective
+    that waits longer than `timeout` seconds for a stalled rank raises (gloo) or aborts (NCCL)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = check_layout(tp, pp, world)
     if world == 1 and not dist.is_initialized():
         return Grid(tp=tp, pp=pp, dp=dp)
+    timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")       # no NVLink multicast (the symm transport uses peer loads)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        dist.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout)
     rank = dist.get_rank()
     grid = Grid(rank=rank, world=world, tp=tp, pp=pp, dp=dp)
     ranks = torch.arange(world).view(dp, pp, tp)
@@ -117,7 +121,7 @@ def init_grid(tp=1, pp=1, backend=None):
             "tied_group": [ranks[d, [0, pp - 1], t] for d in range(dp) for t in range(tp)] if pp > 1 else []}
     for attr, groups in rows.items():
         for members in groups:
-            g = dist.new_group(members.tolist())
+            g = dist.new_group(members.tolist(), timeout=timeout)
             if rank in members.tolist():
                 setattr(grid, attr, g)
     (grid.dp_rank,), (grid.pp_rank,), (grid.tp_rank,) = [

@@ -1,13 +1,23 @@
 """
-Text out of a model (generation, also across TP ranks and pipeline stages) and GPT-2 weights into
-it (a Hugging Face GPT2LMHeadModel state dict, sliced for this rank). train.py prints a sample with
-print_sample() at the end of a run.
+Text out of a model: generation (also across TP ranks and pipeline stages: train.py prints a
+sample at the end of a run), and the command line for checkpoints and weights:
+
+    python sample.py generate out/demo --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top_k 100
+    python sample.py generate path/to/gpt2                  # Hugging Face GPT-2 weights (config.json + weights)
+    python sample.py export out/demo hf_out/                # a checkpoint as Hugging Face GPT-2 weights
+
+A checkpoint of any (tp, pp) layout is merged into one model on one process (checkpoint.merge).
 """
+import argparse
+import json
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from model import GPT, ColumnParallelLinear
+import checkpoint
+from model import GPT, GPTConfig
 
 
 def full_logits(model, idx, grid=None):
@@ -73,37 +83,60 @@ def print_sample(model, prompt, tokens, grid, seed, autocast):
         print("sample:\n" + enc.decode(out[0].tolist()))
 
 
-def from_hf_state_dict(sd, config, comm=None):
-    """A GPT loaded from a Hugging Face `GPT2LMHeadModel` state dict (its Conv1D weights are stored
-    (in, out): transposed here), sliced for this rank. config must match the checkpoint's shapes."""
-    model = GPT(config, comm)
-    c = config
-    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    missing = [k for k in ("wte.weight", "wpe.weight", "ln_f.weight") if k not in sd]
-    if missing or sd["wte.weight"].shape != (c.vocab_size, c.n_embd):
-        raise ValueError(f"state dict does not match {c}: missing {missing} or wte shape "
-                         f"{tuple(sd.get('wte.weight', torch.empty(0)).shape)}")
-    wte = torch.zeros(c.padded_vocab, c.n_embd)
-    wte[:c.vocab_size] = sd["wte.weight"]
+def load(path, device="cpu"):
+    """A single-process model from an out_dir (its newest complete checkpoint set), a set's folder,
+    or a folder of Hugging Face GPT-2 weights (config.json beside them)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        mc = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                       n_head=hf["n_head"], n_embd=hf["n_embd"])
+        full = checkpoint.hf_to_full(checkpoint.read_weights(path), mc)
+    else:
+        found = [path] if os.path.exists(os.path.join(path, "COMPLETE")) else checkpoint.sets(path)
+        if not found:
+            raise SystemExit(f"{path}: no complete checkpoint set (ckpt/iter_N/COMPLETE), no Hugging Face config.json")
+        mc, full, _ = checkpoint.merge(found[-1])
+    model = GPT(mc)
+    model.load_state_dict(full)
+    return model.to(device).eval()
 
-    def put(mod, name, full, split=True):
-        getattr(mod, name).data.copy_(mod.shard(full) if split and hasattr(mod, "shard") else full)
 
-    with torch.no_grad():
-        put(model.wte, "weight", wte)
-        put(model.wpe, "weight", sd["wpe.weight"])
-        put(model.ln_f, "weight", sd["ln_f.weight"])
-        if c.bias:
-            put(model.ln_f, "bias", sd["ln_f.bias"])
-        for i, b in enumerate(model.h):
-            p = f"h.{i}."
-            for ln in ("ln_1", "ln_2"):
-                put(getattr(b, ln), "weight", sd[p + ln + ".weight"])
-                if c.bias:
-                    put(getattr(b, ln), "bias", sd[p + ln + ".bias"])
-            for mod, hf in ((b.attn.qkv, "attn.c_attn"), (b.attn.proj, "attn.c_proj"),
-                            (b.mlp.fc, "mlp.c_fc"), (b.mlp.proj, "mlp.c_proj")):
-                put(mod, "weight", sd[p + hf + ".weight"].t())          # Conv1D (in, out) -> (out, in)
-                if c.bias:
-                    put(mod, "bias", sd[p + hf + ".bias"], split=isinstance(mod, ColumnParallelLinear))
-    return model
+def cli(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="sample text from a checkpoint or Hugging Face weights")
+    g.add_argument("path", help="an out_dir, a checkpoint set folder, or a Hugging Face GPT-2 folder")
+    g.add_argument("--prompt", default="\n")
+    g.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top_k", type=int, default=200, help="0: the whole vocabulary; 1: greedy")
+    g.add_argument("--num_samples", type=int, default=1)
+    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    e = sub.add_parser("export", help="write a checkpoint as Hugging Face GPT-2 weights")
+    e.add_argument("path", help="an out_dir or a checkpoint set folder")
+    e.add_argument("dest", help="folder for model.safetensors and config.json (GPT2LMHeadModel.from_pretrained)")
+    a = ap.parse_args(argv)
+    model = load(a.path, a.device if a.cmd == "generate" else "cpu")
+    if a.cmd == "export":
+        os.makedirs(a.dest, exist_ok=True)
+        checkpoint.write_safetensors(checkpoint.full_to_hf(model.state_dict(), model.config),
+                                     os.path.join(a.dest, "model.safetensors"))
+        with open(os.path.join(a.dest, "config.json"), "w") as f:
+            json.dump(checkpoint.hf_config(model.config), f, indent=1)
+        print(f"wrote {a.dest}/model.safetensors and config.json")
+        return
+    if a.temperature <= 0 or a.tokens < 0 or a.top_k < 0:
+        raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")
+    from data.tokenizer import get_encoding
+    enc = get_encoding()
+    idx = torch.tensor([enc.encode_ordinary(a.prompt)] * a.num_samples, device=a.device)
+    gen = torch.Generator().manual_seed(a.seed)
+    out = generate(model, idx, a.tokens, a.temperature, a.top_k or None, gen)
+    for row in out.tolist():
+        print(enc.decode(row) + "\n---------------")
+
+
+if __name__ == "__main__":
+    cli()

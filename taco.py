@@ -271,26 +271,31 @@ class Codec:
         if sp.adaptive:
             ss = block_sumsq(g)
             sigma = fsqrt(ss * (1.0 / B) + self.eps)
+            big = ~torch.isfinite(ss) & ~bad                        # |x| ~> 1e19: the squares overflow
+            if big.any():                                           # sigma of x * 2^-80, times 2^80
+                sigma = torch.where(big, fsqrt(block_sumsq(g * 2.0 ** -80) * (1.0 / B)) * 2.0 ** 80, sigma)
             alpha = fdiv(torch.full_like(sigma, self.tau), sigma)
-            bad |= ~torch.isfinite(ss)
             g = g * alpha[..., None]
-        # === Eq. 8: rotation ===
-        if sp.rotate and not rotated:
-            g = fwht(g) * self.c
+        # === Eq. 8: rotation, as H(x / B) * (sqrt(B)): the butterflies never overflow ===
+        rot = sp.rotate and not rotated
+        cb = self.c * B if rot else 1.0                             # 1/sqrt(B) * B, exact in fp32
+        if rot:
+            g = fwht(g * (1.0 / B))                                 # Z / sqrt(B), Z = H(x) / sqrt(B)
         # === Eq. 9: absmax scale (s = m / Qmax and 1/s correctly rounded, once per block) ===
-        if sp.scale == "block":
-            m = g.abs().amax(dim=-1)
-            bad |= ~torch.isfinite(m)
-            s = fdiv(m, self.qmax)
-            y = g * fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))[..., None]
-        elif sp.scale == "tensor":
-            m = g.abs().reshape(M, -1).amax(dim=-1)
-            tbad = ~torch.isfinite(m) | bad.any(dim=-1)
-            bad |= tbad[:, None]
-            s = fdiv(m, self.qmax)
-            y = g * fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))[:, None, None]
+        if sp.scale in ("block", "tensor"):
+            m = g.abs().amax(dim=-1) if sp.scale == "block" else g.abs().reshape(M, -1).amax(dim=-1)[:, None]
+            s = self.scale_of(m, cb)
+            inv = fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))
+            # y = Z / s without forming Z (which can pass fp32's max when H(x) does): g * (cb / s),
+            # exact like (g * cb) / s; for tiny blocks (cb / s could overflow) in that order
+            tiny = m < 2.0 ** -80 / B
+            y = torch.where(tiny[..., None], (g * cb) * inv[..., None], g * (inv * cb)[..., None])
+            if sp.scale == "tensor":
+                tbad = bad.any(dim=-1)
+                bad |= tbad[:, None]
+                s = s[:, 0]
         else:
-            y = g
+            y = g * cb
         # === Eq. 10: codes ===
         if sp.scale == "none" and not sp.adaptive:                 # raw cast: NaN per element
             nonfinite = ~torch.isfinite(y)
@@ -320,7 +325,8 @@ class Codec:
         n = buf.shape[0] * L if n is None else n
         if self.kernel_ok(buf):
             return taco_kernels.decode(self, buf, L, n, dtype if out is None else out.dtype, out)
-        y = self._decode_ref(buf, L).reshape(-1)[:n].to(dtype)
+        big = torch.finfo(dtype if out is None else out.dtype).max        # saturate, NaN stays NaN
+        y = self._decode_ref(buf, L).reshape(-1)[:n].clamp(-big, big).to(dtype)
         return y if out is None else out.copy_(y)
 
     def _decode_ref(self, buf, L, rotated=False):
@@ -330,17 +336,31 @@ class Codec:
         pay = nb * B * self.bits // 8
         y = dequantize(buf[:, :pay].contiguous(), sp.fmt).reshape(M, nb, B)
         meta = buf[:, pay:pay + nb * self.nmeta * 4].contiguous().view(torch.float32).reshape(M, nb, self.nmeta)
+        s, big = None, None
         if sp.scale == "block":
-            y = y * meta[..., -1:]
+            s = meta[..., -1:]
         elif sp.scale == "tensor":
             tpos = pay + nb * self.nmeta * 4
-            y = y * buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
+            s = buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
+        if s is not None:
+            # a huge block (s > 2^100) is inverse-rotated in units of 2^64, so H(q s) cannot overflow
+            big = (s > 2.0 ** 100) if sp.rotate and not rotated else None
+            y = y * (s if big is None else torch.where(big, s * 2.0 ** -64, s))
         if sp.rotate and not rotated:
             y = fwht(y) * self.c
+            if big is not None:
+                y = torch.where(big, y * 2.0 ** 64, y)
         if sp.adaptive:
             alpha = meta[..., :1]
             y = y * fdiv(torch.ones_like(alpha), alpha)
         return y.reshape(M, L)
+
+    def scale_of(self, m, cb=1.0):
+        """The scale s = m * cb / Qmax of a block (or message) whose absmax is m * cb, rounded like
+        (m / Qmax) * cb (the same value when cb is a power of two) so that it never overflows; at
+        least 2^-126 when m > 0, so that 1/s stays finite (tiny blocks)."""
+        s = fdiv(m, self.qmax) * cb
+        return torch.where((m > 0) & (s < 2.0 ** -126), torch.full_like(s, 2.0 ** -126), s)
 
     def reduce_encode(self, buf, L):
         """Sum P messages in fp32 in message order 0..P-1 and encode the sum as one message.
@@ -437,6 +457,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     steps 1-3 have been started: do other work, then handle.wait(), after which x holds the sum.
     The alternatives (one rank, codec none, symmetric memory) are in _alternative."""
     cd = get_codec(codec, block_size)
+    _check(x, group, cd, chunks)
     alternative = _alternative(x, group, cd, transport)
     if alternative is not None:
         return alternative(x, stats, async_op)
@@ -512,6 +533,35 @@ def _alternative(x, group, cd, transport):
     return over_symm
 
 
+_AGREED = set()
+
+
+def _check(x, group, cd, chunks=1):
+    """Refuse what the codecs cannot carry, and make sure every rank uses the same codec: on a
+    codec's first use on a group the ranks compare (name, block) with one small all-gather (once
+    per process, so it costs nothing afterwards); different codecs would decode each other's bytes
+    into different wrong values."""
+    if cd is IDENTITY:
+        return
+    if not x.is_floating_point():
+        raise TypeError(f"taco: a {x.dtype} tensor cannot go through the lossy {cd.name!r} codec; "
+                        f"all-reduce it with torch.distributed (or codec='none')")
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    key = ((group or dist.group.WORLD).group_name, cd.name, getattr(cd, "B", 0))
+    if key in _AGREED:
+        return
+    mine = torch.tensor([sum(cd.name.encode()) * 1000003 + len(cd.name), getattr(cd, "B", 0)], device=x.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(e, mine) for e in every):
+        raise RuntimeError(f"taco: the ranks of a group use different codecs or block sizes (this rank: "
+                           f"{cd.name!r}, B={getattr(cd, 'B', 0)}); every rank must pass the same codec")
+    _AGREED.add(key)
+
+
 def _plan_chunks(n, W, B, chunks):
     """Split n elements into <= chunks contiguous pieces, each a multiple of W*B elements except the last."""
     per = cdiv(cdiv(n, chunks), W * B) * W * B
@@ -543,6 +593,7 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
     if n % W:
         raise ValueError(f"reduce_scatter needs numel ({n}) divisible by the group size ({W})")
     cd = get_codec(codec, block_size)
+    _check(x, group, cd)
     out = torch.empty(n // W, dtype=x.dtype, device=x.device)
     if cd is IDENTITY:
         dist.reduce_scatter_tensor(out, x.reshape(-1).contiguous(), group=group)
@@ -572,6 +623,7 @@ def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, t
     W = dist.get_world_size(group)
     n = x.numel()
     cd = get_codec(codec, block_size)
+    _check(x, group, cd)
     out = torch.empty(W * n, dtype=x.dtype, device=x.device)
     if cd is IDENTITY:
         _all_gather_flat(out, x.reshape(-1).contiguous(), group=group)

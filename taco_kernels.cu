@@ -49,6 +49,8 @@ constexpr unsigned FULL = 0xffffffffu;
 constexpr unsigned CANONICAL_NAN = 0x7fc00000u;   // what torch.tensor(float("nan")) stores
 constexpr float MAGIC = 12582912.f;    // 1.5 * 2^23: y + MAGIC holds round(y) in its low mantissa bits
 constexpr float C = 0.0625f;           // 1 / sqrt(B)
+constexpr float CB = C * B;            // sqrt(B): encode rotates x / B (no overflow), then scales by this
+constexpr float S_MIN = 0x1p-126f;     // the smallest block scale (1 / s stays finite)
 
 // --- loads and stores of 8 consecutive elements (dtype decided per call: a warp-uniform branch) ---
 
@@ -101,7 +103,18 @@ __device__ __forceinline__ unsigned pack2(float a, float b, int dt) {   // round
   return *reinterpret_cast<unsigned*>(&h);
 }
 
-__device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float v[E]) {
+__device__ __forceinline__ float largest(int dt) {       // the output type's largest finite value
+  return dt == TACO_F32 ? 3.40282347e38f : dt == TACO_BF16 ? __uint_as_float(0x7f7f0000u) : 65504.f;
+}
+
+// sat: decoded values saturate at the output type's largest finite value (NaN stays NaN), so that
+// quantisation error cannot carry a representable sum past it; the caller skips it for blocks
+// whose values cannot come near it
+__device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float u[E], bool sat) {
+  const float big = largest(dt);
+  float v[E];
+#pragma unroll
+  for (int j = 0; j < E; j++) v[j] = sat ? (u[j] > big ? big : (u[j] < -big ? -big : u[j])) : u[j];
   if (dt == TACO_F32) {
     float* p = static_cast<float*>(out) + i0;
     if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
@@ -386,18 +399,41 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
     for (int m = 16; m >= 1; m >>= 1)            // the reference's order: lanes i and i^16, then ^8, ...
 #pragma unroll
       for (int k = 0; k < N; k++) ss[k] = ss[k] + __shfl_xor_sync(FULL, ss[k], m);
-    alpha_mine = p.tau / sqrtf(lane_pick<N>(ss, lane) * (1.0f / B) + p.eps);
+    // |x| ~> 1e19 overflows the squares: sigma of x * 2^-80, times 2^80 (a warp-uniform branch per
+    // block); a block with NaN/Inf stays non-finite there too, and is bad
+    float sig[N];
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+      sig[k] = -1.f;
+      if (!isfinite(ss[k])) {
+        float s2 = (v[k][0] * 0x1p-80f) * (v[k][0] * 0x1p-80f);
+#pragma unroll
+        for (int j = 1; j < E; j++) s2 = s2 + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
+#pragma unroll
+        for (int m = 16; m >= 1; m >>= 1) s2 = s2 + __shfl_xor_sync(FULL, s2, m);
+        bad[k] = !isfinite(s2);
+        sig[k] = sqrtf(s2 * (1.0f / B)) * 0x1p80f;
+      }
+    }
+    const float sg = lane_pick<N>(sig, lane);
+    alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(lane_pick<N>(ss, lane) * (1.0f / B) + p.eps));
     lane_spread<N>(alpha_mine, alpha);
 #pragma unroll
     for (int k = 0; k < N; k++) {
-      bad[k] = !isfinite(ss[k]);
 #pragma unroll
       for (int j = 0; j < E; j++) v[k][j] = v[k][j] * alpha[k];
     }
   }
 
-  // === Eq. 8: Z = H(alpha G) / sqrt(B), the 1/sqrt(B) applied below ===
-  if (ROT) fwht_a_to_c<N>(v, sm, lane);
+  // === Eq. 8: Z = H(alpha G) / sqrt(B), computed as H(alpha G / B) (butterflies that cannot
+  // overflow); the factor sqrt(B) is applied below, folded into the scale ===
+  if (ROT) {
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
+    fwht_a_to_c<N>(v, sm, lane);
+  }
 
   // === Eq. 9: s = max|Z| / Qmax;  Eq. 10: codes of Z / s ===
   float s_mine = 1.f;
@@ -411,22 +447,24 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
     }
     const float mm = lane_pick<N>(m, lane);
     if (ROT) {
-      // m * C is max|H * C| exactly (a power of two; m >= 2^-80 is far from subnormal). Then
-      // v * (inv * C) == (v * C) * inv for every v whose product v * C is exact, and the others
-      // (|v * C| < 2^-126) give code 0 both ways, as |v| / m < 2^-46. Below 2^-80: the
-      // reference's own order (v * C first).
-      s_mine = mm * C / p.qmax;
+      // v holds Z / CB. s = (m / Qmax) * CB: the reference's rounding, and never overflows. Then
+      // v * (inv * CB) == (v * CB) * inv for every v whose product v * CB is exact, and the others
+      // (|v * CB| < 2^-126) give code 0 both ways, as |v| / m < 2^-46. Below m = 2^-88 (where
+      // inv * CB could overflow): the reference's own order (v * CB first).
+      s_mine = mm / p.qmax * CB;
+      s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
       const float inv = 1.f / (s_mine > 0.f ? s_mine : 1.f);
-      lane_spread<N>(mm >= 0x1p-80f ? inv * C : inv, mul);
+      lane_spread<N>(mm >= 0x1p-88f ? inv * CB : inv, mul);
 #pragma unroll
       for (int k = 0; k < N; k++) {
-        if (!(m[k] >= 0x1p-80f)) {
+        if (!(m[k] >= 0x1p-88f)) {
 #pragma unroll
-          for (int j = 0; j < E; j++) v[k][j] = v[k][j] * C;
+          for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
         }
       }
     } else {
       s_mine = mm / p.qmax;
+      s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
       lane_spread<N>(1.f / (s_mine > 0.f ? s_mine : 1.f), mul);
     }
 #pragma unroll
@@ -437,7 +475,7 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 #pragma unroll
     for (int k = 0; k < N; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * C;
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
   }
 
   // codes (a bad block's are zeroed below, as whole words); without a block scale, integer codes
@@ -501,15 +539,19 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 template <int FMT, bool ROT, bool SCALE, int N, bool TO_A>
 __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E], int lane, const TacoParams& p,
                                               float (*sm)[SMW]) {
-  bool fast[N];
+  bool fast[N], big[N];
 #pragma unroll
   for (int k = 0; k < N; k++) {
     dequant8<FMT>(r[k], v[k]);
     // With 2^-90 <= s <= 2^100 every q s is a multiple of 2^-113 and H(q s) < 2^117: scaling by
-    // 1/16 before the transform is exact and gives exactly H(q s) / 16. Otherwise the reference's order.
-    fast[k] = ROT && SCALE && r[k].s >= 0x1p-90f && r[k].s <= 0x1p100f;
+    // 1/16 before the transform is exact and gives exactly H(q s) / 16. A huge block (s > 2^100) is
+    // transformed in units of 2^64 (its s * 2^-64 is in that range: the same argument), so H cannot
+    // overflow. Otherwise (tiny s) the reference's order.
+    big[k] = ROT && SCALE && r[k].s > 0x1p100f;
+    fast[k] = ROT && SCALE && r[k].s >= 0x1p-90f;
     if (SCALE) {
-      const float pre = fast[k] ? r[k].s * C : r[k].s;
+      const float s = big[k] ? r[k].s * 0x1p-64f : r[k].s;
+      const float pre = fast[k] ? s * C : s;
 #pragma unroll
       for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
     }
@@ -518,9 +560,10 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
     fwht_a_to_c<N>(v, sm, lane);
 #pragma unroll
     for (int k = 0; k < N; k++) {
-      if (!fast[k]) {
+      if (!fast[k] || big[k]) {
+        const float post = big[k] ? 0x1p64f : C;
 #pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * C;
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * post;
       }
     }
   }
@@ -633,8 +676,12 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
     decode_blocks<FMT, ROT, SCALE, K, true>(r, v, lane, p, smem[warp]);
     const long long i0 = msg * p.L + first * B + lane * E;
 #pragma unroll
-    for (int k = 0; k < K; k++)
-      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
+    for (int k = 0; k < K; k++) {
+      // |decoded| <= 16 Qmax s / alpha (H / sqrt(B) of codes <= Qmax): saturate only when that
+      // bound comes near the output's limit (or is NaN); a warp-uniform flag per block
+      const float bound = r[k].s * (p.qmax * CB) / (p.adaptive ? r[k].alpha : 1.f);
+      if (k < nk) store8(out, dt, n, i0 + k * B, v[k], !SCALE || !(bound < 0.5f * largest(dt)));
+    }
     if (!nk_next) break;
 #pragma unroll
     for (int k = 0; k < K; k++) r[k] = decode_ahead<FMT>() ? rn[k] : load_raw<FMT>(m, k < nk_next ? next + k : next, nbs, lane, p);

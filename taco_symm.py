@@ -57,9 +57,10 @@ def _why_not(x, group, has_kernels):
     if dist.get_world_size(group) > taco_kernels.MAX_PEERS:
         return f"more than {taco_kernels.MAX_PEERS} ranks"
     if env("LOCAL_WORLD_SIZE") is None:
-        return "LOCAL_WORLD_SIZE is unset (torchrun sets it): cannot tell that the job is on one node"
-    if env("LOCAL_WORLD_SIZE") != env("WORLD_SIZE"):
-        return "the job spans more than one node"
+        return "LOCAL_WORLD_SIZE is unset (torchrun sets it): cannot tell that the group is on one node"
+    node = lambda rank: rank // int(env("LOCAL_WORLD_SIZE"))    # torchrun numbers ranks node by node
+    if len({node(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD)}) > 1:
+        return "the group spans more than one node"
     if not _peer_access_everywhere():
         return "no peer access between the GPUs"
     if env("NCCL_P2P_DISABLE", "0") not in ("", "0"):
@@ -102,6 +103,7 @@ class Workspace:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("taco: the symmetric-memory buffer must grow, which cannot be captured in a "
                                "CUDA graph: run the collective once with the same sizes before capturing")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")   # peer loads/stores only
         import torch.distributed._symmetric_memory as symm_mem
         with warnings.catch_warnings():                  # needed by older torch, a deprecated no-op in newer
             warnings.simplefilter("ignore", FutureWarning)

@@ -6,10 +6,10 @@ Train a tensor-parallel GPT, optionally with compressed TP all-reduces.
     torchrun --nproc_per_node=2 train.py configs/gpt2s.py --tp_codec=taco --max_iters=200
     torchrun --nproc_per_node=4 train.py configs/demo.py --resume  # continue from out_dir
 
-Config (nanoGPT style): the globals below are the defaults; a config file is plain assignments
-that override them; --key=value overrides are type-checked against the default's type.
+Config (nanoGPT style): the globals below are the defaults, and `--help` prints them with their
+comments; a config file is plain assignments that override them, --key=value overrides after it
+(config.py reads both, type-checks them and refuses what cannot work before anything starts).
 """
-import ast
 import json
 import math
 import os
@@ -20,6 +20,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+import checkpoint
+import config
 import data_parallel
 import parallel
 import taco
@@ -28,48 +30,51 @@ from data.loader import Batches
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
-# defaults (the embedded default is the CPU demo: a tiny GPT on ~1 MB of Shakespeare)
-out_dir = "out"
-dataset = "small"               # data/<dataset>/{train,val}.bin (python data/prepare.py small)
+# run and data (the embedded defaults are the CPU demo: a tiny GPT on ~1 MB of Shakespeare)
+out_dir = "out"                 # log.jsonl and checkpoint sets (ckpt/iter_N/) go here
+overwrite = False               # start a new run in an out_dir that holds another run's checkpoints
+dataset = "small"               # <data_dir>/<dataset>/{train,val}.bin (python data/prepare.py small)
+data_dir = ""                   # "" = this repository's data/ folder, wherever you run from
+init_from = ""                  # Hugging Face GPT-2 weights: a folder with model.safetensors or pytorch_model.bin
 # model
-n_layer = 4
-n_head = 4
-n_embd = 128
-block_size = 64
-dropout = 0.0
-bias = True
+n_layer = 4                     # transformer blocks
+n_head = 4                      # attention heads (a multiple of tp)
+n_embd = 128                    # model width C
+block_size = 64                 # context length T in tokens
+dropout = 0.0                   # in [0, 1)
+bias = True                     # biases in the linears and LayerNorms (GPT-2: True)
 # batch: tokens per step = batch_size * block_size * gradient_accumulation_steps * dp
-batch_size = 16
+batch_size = 16                 # sequences per micro-batch per DP rank
 gradient_accumulation_steps = 1     # with pp > 1: the pipeline's micro-batches
 # optimizer: AdamW, linear warmup then cosine decay to min_lr
-learning_rate = 2e-3
-min_lr = 2e-4
-max_iters = 300
-warmup_iters = 30
-lr_decay_iters = 300
-weight_decay = 0.1
-beta1 = 0.9
-beta2 = 0.95
-grad_clip = 1.0
+learning_rate = 2e-3            # peak learning rate
+min_lr = 2e-4                   # learning rate at the end of the decay
+max_iters = 300                 # optimizer steps of the whole run
+warmup_iters = 30               # steps of linear warmup
+lr_decay_iters = 300            # step where the cosine decay reaches min_lr
+weight_decay = 0.1              # AdamW weight decay (2-D weights only)
+beta1 = 0.9                     # AdamW beta1
+beta2 = 0.95                    # AdamW beta2
+grad_clip = 1.0                 # clip the global gradient norm to this (0: no clipping)
 # evaluation, logging, checkpoints
-eval_interval = 100
-eval_iters = 10
-log_interval = 10
+eval_interval = 100             # evaluate train/val loss every N steps and at the end (0: never)
+eval_iters = 10                 # micro-batches per evaluation (a multiple of dp)
+log_interval = 10               # one log line (mean loss, ms, tok/s, wire bytes) every N steps
 ckpt_interval = 0               # 0: only at the end; -1: never
-resume = False
-progress = True                 # tqdm bar on rank 0
+resume = False                  # continue from out_dir's newest complete checkpoint set
+progress = True                 # tqdm bar on rank 0 (only when the output is a terminal)
 sample_tokens = 120             # sample this many tokens at the end (0: none)
-sample_prompt = "\n"
+sample_prompt = "\n"            # the text the sample starts from
 # parallelism: world = tp * pp * dp (dp is derived)
-tp = 1
-pp = 1
+tp = 1                          # tensor-parallel ranks (inside one node)
+pp = 1                          # pipeline stages (n_layer divisible by pp)
 schedule = "1f1b"               # pipeline schedule: 1f1b | gpipe
 sequence_parallel = False       # shard LayerNorm/residual regions along the sequence over the TP group
 pp_verbose = False              # print every pipeline send/receive (for learning how a schedule runs)
 # tensor-parallel compression (taco.py): codec for forward activations / backward gradients
-tp_codec = "none"
+tp_codec = "none"               # codec of the forward TP all-reduces: none | hint8 | taco | hint6 | ...
 tp_codec_bwd = ""               # "" = same as tp_codec
-codec_block = 256
+codec_block = 256               # elements per codec block (a power of two; the kernels: 256)
 dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
 dp_overlap = True               # start each DP gradient bucket's all-reduce during the backward pass (False: after it)
 zero1 = False                   # ZeRO stage 1 over DP: AdamW state (fp32 master + moments) sharded, 1/dp per rank
@@ -80,73 +85,16 @@ tp_transport = "auto"           # auto: symmetric memory inside a node (GPU peer
 taco_chunks = 1                 # split each compressed all-reduce into pipelined chunks
 taco_min_bytes = 8388608        # smaller TP all-reduces stay uncompressed (the codec's fixed costs dominate)
 # system
-seed = 1337
+seed = 1337                     # weights, data order and dropout
 device = "auto"                 # auto | cpu | cuda
 dtype = "auto"                  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
-compile = False
+compile = False                 # torch.compile the model
+timeout = 600                   # seconds a collective may wait for a stalled rank before the job stops
 profile_steps = 0               # > 0: every rank's CUDA kernel timeline of the last N steps -> out_dir/trace_rank<r>.json.gz
 peak_flops = 989e12             # per-GPU dense bf16 peak for MFU (H100/H200 SXM datasheet)
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in list(globals().items()) if not k.startswith("_")
-               and isinstance(v, (int, float, bool, str))]
-
-
-def configure(g, argv):
-    """Apply a config file (plain assignments) and --key=value overrides to the globals dict g."""
-    for arg in argv:
-        if not arg.startswith("--"):
-            if not os.path.exists(arg):
-                raise SystemExit(f"config file {arg} not found")
-            with open(arg) as f:
-                exec(f.read(), g)
-            continue
-        key, _, val = arg[2:].partition("=")
-        if key not in g or key not in config_keys:
-            raise SystemExit(f"unknown config key --{key}; known keys: {', '.join(config_keys)}")
-        if val == "" and isinstance(g[key], bool):
-            val = "True"
-        try:
-            v = ast.literal_eval(val)
-        except (ValueError, SyntaxError):
-            v = val
-        if isinstance(g[key], float) and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if type(v) is not type(g[key]):
-            raise SystemExit(f"--{key}={val}: expected {type(g[key]).__name__}, got {type(v).__name__}")
-        g[key] = v
-
-
-def check_config(cfg, world):
-    """Everything that can be refused before launch."""
-    mc = GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                   n_embd=cfg["n_embd"])
-    dp = parallel.check_layout(cfg["tp"], cfg["pp"], world, None, mc.n_head, mc.n_embd, mc.padded_vocab,
-                               mc.n_layer, cfg["schedule"])
-    if cfg["eval_interval"] and cfg["eval_iters"] % dp:
-        raise parallel.ConfigError(f"eval_iters={cfg['eval_iters']} is not divisible by dp={dp}: every DP rank "
-                                   f"evaluates the same number of batches; use a multiple of {dp}")
-    if cfg["sequence_parallel"] and cfg["block_size"] % cfg["tp"]:
-        raise parallel.ConfigError(f"sequence_parallel needs block_size ({cfg['block_size']}) divisible by "
-                                   f"tp={cfg['tp']}")
-    if cfg["zero1"] and dp == 1:
-        raise parallel.ConfigError(f"zero1 shards the optimizer over data parallelism, but dp=1: launch "
-                                   f"{2 * cfg['tp'] * cfg['pp']} processes (dp=2) or set zero1=False")
-    if cfg["zero_codec"] not in ("", "none") and not cfg["zero1"]:
-        raise parallel.ConfigError("zero_codec compresses ZeRO-1's parameter all-gather: set zero1=True too")
-    for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd", "zero_codec"):
-        if cfg[k] not in ("", *taco.codec_names()):
-            raise parallel.ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())} "
-                                       f"(the lab's tahquant: launch with -m lab.tahquant instead of train.py)")
-    if cfg["tp_transport"] not in taco.TRANSPORTS:
-        raise parallel.ConfigError(f"tp_transport={cfg['tp_transport']!r}: choose {', '.join(taco.TRANSPORTS)}")
-    if cfg["tp_transport"] == "symm" and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
-        raise parallel.ConfigError("tp_transport='symm' needs GPUs (symmetric memory): use auto or dist")
-    if cfg["device"] == "cuda" and not torch.cuda.is_available():
-        raise parallel.ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
-    for split in ("train", "val"):
-        path = os.path.join("data", cfg["dataset"], f"{split}.bin")
-        if not os.path.exists(path):
-            raise parallel.ConfigError(f"{path} is missing: run  python data/prepare.py {cfg['dataset']}")
+DEFAULTS = {k: v for k, v in list(globals().items()) if not k.startswith("_")
+            and isinstance(v, (int, float, bool, str))}
 
 
 def get_lr(it, c):
@@ -188,36 +136,18 @@ def clip_grad_norm(params, max_norm, grid, zero=None):
     return norm, coef
 
 
-def ckpt_path(out, grid, zero1=False):
-    return os.path.join(out, f"ckpt_tp{grid.tp_rank}_pp{grid.pp_rank}" + (f"_dp{grid.dp_rank}" if zero1 else "") + ".pt")
-
-
-def save_checkpoint(r, it):
-    """One file per (tp, pp) rank, written by dp rank 0 (with ZeRO-1 one per dp rank too: each
-    holds its own optimizer shard): temp file + rename, so a crash mid-write never leaves a torn
-    checkpoint."""
-    if r.grid.dp_rank == 0 or r.cfg["zero1"]:
-        os.makedirs(r.cfg["out_dir"], exist_ok=True)
-        path = ckpt_path(r.cfg["out_dir"], r.grid, r.cfg["zero1"])
-        torch.save({"model": r.model.state_dict(), "optimizer": r.opt.state_dict(), "iter": it, "config": r.cfg,
-                    "layout": [r.grid.tp, r.grid.pp]}, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    if r.grid.world > 1:
-        dist.barrier()
-
-
 # -----------------------------------------------------------------------------
 # a run: processes, model, optimizer; one step; evaluation; the step line
 
 def setup(cfg, model_hook=None):
     """Process groups, device, model, optimizer (and the resumed state): everything a step needs,
-    as one namespace. model_hook(model, comm), if given, may change the model before the optimizer
+    as one namespace. model_hook(model, comm, cfg), if given, may change the model before the optimizer
     sees its parameters (lab/emulate.py replaces the TP layers with emulated ones this way)."""
     c = cfg
     use_cuda = c["device"] == "cuda" or (c["device"] == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    grid = parallel.init_grid(tp=c["tp"], pp=c["pp"])
+    grid = parallel.init_grid(tp=c["tp"], pp=c["pp"], timeout=c["timeout"])
     dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     ptdtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "float32": torch.float32,
                "bfloat16": torch.bfloat16}[c["dtype"]]
@@ -234,27 +164,21 @@ def setup(cfg, model_hook=None):
                            transport=c["tp_transport"])
     mcfg = GPTConfig(block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
                      dropout=c["dropout"], bias=c["bias"])
-    model = GPT(mcfg, comm, seed=c["seed"], stage=grid.pp_rank, stages=grid.pp).to(dev)
+    model = GPT(mcfg, comm, seed=c["seed"], stage=grid.pp_rank, stages=grid.pp)
+    if c["init_from"]:                                   # every rank reads the full weights, keeps its slice
+        checkpoint.shard_into(model, checkpoint.hf_to_full(checkpoint.read_weights(c["init_from"]), mcfg))
+    model = model.to(dev)
     if model_hook is not None:
-        model_hook(model, comm)
+        model_hook(model, comm, c)
     r = SimpleNamespace(cfg=c, grid=grid, dev=dev, dtype=ptdtype, use_cuda=use_cuda, comm=comm, model=model,
                         params=list(model.parameters()),
                         fwd_model=torch.compile(model) if c["compile"] else model,
                         autocast=torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32),
-                        batches=Batches(c["dataset"], c["block_size"], c["batch_size"], c["seed"], grid.dp_rank,
+                        batches=Batches(config.data_dir(c), c["block_size"], c["batch_size"], c["seed"], grid.dp_rank,
                                         dev, grid.dp),
                         dp_stats=taco.CommStats(), pp_stats=taco.CommStats(), zero=None, dpsync=None, it0=0)
     build_optimizer(r)
-    if c["resume"]:
-        path = ckpt_path(c["out_dir"], grid, c["zero1"])
-        if not os.path.exists(path):
-            raise SystemExit(f"--resume: no checkpoint at {path}")
-        ck = torch.load(path, map_location=dev, weights_only=False)
-        if ck["layout"] != [grid.tp, grid.pp]:
-            raise SystemExit(f"checkpoint layout tp,pp={ck['layout']} but this run has {[grid.tp, grid.pp]}")
-        model.load_state_dict(ck["model"])
-        r.opt.load_state_dict(ck["optimizer"])
-        r.it0 = ck["iter"]
+    r.resumed_from = checkpoint.resume(r) if c["resume"] else None
     return r
 
 
@@ -376,33 +300,66 @@ def write_trace(r, prof, steps, seconds):
             json.dump({"steps": steps, "wall_ms_per_step": 1000 * seconds / steps}, f)
 
 
-def main(argv=None, model_hook=None):
-    g = globals()
-    configure(g, sys.argv[1:] if argv is None else argv)
-    c = {k: g[k] for k in config_keys}
+def start(argv):
+    """The resolved, checked settings (or the process ends with the reason), and out_dir claimed."""
     try:
-        check_config(c, int(os.environ.get("WORLD_SIZE", "1")))
+        c = config.parse(DEFAULTS, argv)
+        config.check(c, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     except parallel.ConfigError as e:
         raise SystemExit(f"config error: {e}")
+    checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
+    return c
+
+
+def open_log(r):
+    """Rank 0's log.jsonl: the resolved config first; on resume the records after the resumed
+    iteration (a run that went on past its last checkpoint) are dropped, so no step appears twice."""
+    path = os.path.join(r.cfg["out_dir"], "log.jsonl")
+    os.makedirs(r.cfg["out_dir"], exist_ok=True)
+    kept = []
+    if r.resumed_from and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line).get("iter", 0) <= r.it0]
+    f = open(path, "w")
+    f.writelines(kept)
+    f.write(json.dumps({"config": r.cfg, "resumed_from": r.resumed_from, "iter0": r.it0}) + "\n")
+    return f
+
+
+def main(argv=None, model_hook=None):
+    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+        print(config.help_text(__file__))
+        return
+    c = start(sys.argv[1:] if argv is None else argv)
     r = setup(c, model_hook)
-    grid, master = r.grid, r.grid.rank == 0
+    try:
+        train(r)
+    except dist.DistBackendError as e:                   # a collective timed out: a rank stalled or died
+        raise SystemExit(f"rank {r.grid.rank}: a collective did not complete within timeout={c['timeout']} s "
+                         f"(another rank stalled or died): {str(e).splitlines()[0]}")
+    if r.grid.world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def train(r):
+    c, grid, master = r.cfg, r.grid, r.grid.rank == 0
     if master:
         print("config:", json.dumps(c, sort_keys=True))
         print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {r.dev} | {r.dtype}")
-        if r.it0:
-            print(f"resumed from {c['out_dir']} at iteration {r.it0}")
+        if r.resumed_from:
+            print(f"resumed from {r.resumed_from} (iteration {r.it0})")
         print(f"model: {r.model.num_params() / 1e6:.2f} M parameters (non-embedding), "
               f"{r.model.num_params(False) / 1e6:.2f} M in all")
     tokens = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] * grid.dp
     flops = (6 * r.model.num_params() + 12 * c["n_layer"] * c["n_embd"] * c["block_size"]) * tokens
     bar = jlog = None
-    if master and c["progress"]:
+    if master and c["progress"] and sys.stderr.isatty():
         from tqdm import tqdm
         bar = tqdm(total=c["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False)
     log = bar.write if bar is not None else print
     if master:
-        os.makedirs(c["out_dir"], exist_ok=True)
-        jlog = open(os.path.join(c["out_dir"], "log.jsonl"), "a" if c["resume"] else "w")   # machine-readable log
+        jlog = open_log(r)                                  # machine-readable log
     record = lambda kv: jlog and (jlog.write(json.dumps(kv) + "\n"), jlog.flush())
     t0, loss_sum, nsum, prof = time.time(), 0.0, 0, None
     for it in range(r.it0, c["max_iters"]):
@@ -417,7 +374,7 @@ def main(argv=None, model_hook=None):
         if bar is not None:
             bar.update(1)
         last = it + 1 == c["max_iters"]
-        logging = (it + 1) % c["log_interval"] == 0 or it == r.it0
+        logging = (it + 1) % c["log_interval"] == 0 or it == 0
         evaluating = c["eval_interval"] and ((it + 1) % c["eval_interval"] == 0 or last)
         saving = c["ckpt_interval"] >= 0 and ((c["ckpt_interval"] and (it + 1) % c["ckpt_interval"] == 0) or last)
         if logging or evaluating or saving:
@@ -441,7 +398,7 @@ def main(argv=None, model_hook=None):
                 record(dict(iter=it + 1, train_loss=ev["train"], val_loss=ev["val"]))
             t0 = time.time()
         if saving:
-            save_checkpoint(r, it + 1)
+            checkpoint.save(r, it + 1)
     if bar is not None:
         bar.close()
     if prof is not None:
@@ -451,9 +408,6 @@ def main(argv=None, model_hook=None):
     if c["sample_tokens"] > 0:
         from sample import print_sample
         print_sample(r.model, c["sample_prompt"], c["sample_tokens"], r.grid, c["seed"], r.autocast)
-    if grid.world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,32 @@ import os
 import numpy as np
 import torch
 
+FULL_SCAN = 1 << 28          # files up to this many tokens get their largest id checked in full
+
+
+def check_tokens(path, block_size, vocab_size):
+    """Raise ValueError naming the file and the fix unless it holds whole uint16 tokens, more
+    than one block of them, all below vocab_size (the largest id: in full up to FULL_SCAN tokens,
+    else in 64 windows of 1M spread over the file). Returns the token count."""
+    if not os.path.exists(path):
+        raise ValueError(f"{path} is missing")
+    size = os.path.getsize(path)
+    if size % 2:
+        raise ValueError(f"{path} has an odd number of bytes ({size}): not a file of uint16 tokens")
+    n = size // 2
+    if n < block_size + 2:
+        raise ValueError(f"{path} holds {n} tokens, fewer than block_size + 2 = {block_size + 2}: "
+                         f"use a smaller --block_size or more text")
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    if n <= FULL_SCAN:
+        top = int(data.max())
+    else:
+        top = max(int(data[s:s + (1 << 20)].max()) for s in np.linspace(0, n - (1 << 20), 64).astype(np.int64))
+    if top >= vocab_size:
+        raise ValueError(f"{path} holds token id {top}, outside the vocabulary of {vocab_size}: not written "
+                         f"with the GPT-2 tokenizer")
+    return n
+
 
 class Batches:
     """Random windows from a uint16 memmap. Stateless: the batch for (iteration, micro-step,
@@ -13,8 +39,8 @@ class Batches:
     of D takes the global micro-batches d, D + d, 2D + d, ...: one rank with D times the
     micro-steps sees exactly the same samples (what the parity tests compare)."""
 
-    def __init__(self, dataset, block_size, batch_size, seed, dp_rank, device, dp=1):
-        self.data = {s: np.memmap(os.path.join("data", dataset, f"{s}.bin"), dtype=np.uint16, mode="r")
+    def __init__(self, folder, block_size, batch_size, seed, dp_rank, device, dp=1):
+        self.data = {s: np.memmap(os.path.join(folder, f"{s}.bin"), dtype=np.uint16, mode="r")
                      for s in ("train", "val")}
         self.T, self.B, self.seed, self.dp_rank, self.dp, self.device = block_size, batch_size, seed, dp_rank, dp, device
 

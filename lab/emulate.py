@@ -153,7 +153,7 @@ def emulate_tp(model, t, comm):
 
 
 def check(cfg, t):
-    """The emulation's own launch checks (train.check_config does the rest)."""
+    """The emulation's own launch checks (config.check does the rest)."""
     if cfg["tp"] != 1 or cfg["pp"] != 1 or cfg["taco_chunks"] != 1 or cfg["sequence_parallel"]:
         raise SystemExit(f"config error: TP={t} emulation runs on one process: tp=1, pp=1, taco_chunks=1, "
                          f"no sequence_parallel")
@@ -169,8 +169,8 @@ def main(argv):
         raise SystemExit("usage: python -m lab.emulate T [config.py] [--key=value ...]   (train.py, TP=T emulated)")
     t = int(argv[0])
 
-    def hook(model, comm):
-        check({k: getattr(train, k) for k in train.config_keys}, t)
+    def hook(model, comm, cfg):
+        check(cfg, t)
         emulate_tp(model, t, comm)
         print(f"TP={t} emulated in one process")
     train.main(argv[1:], model_hook=hook)

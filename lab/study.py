@@ -94,7 +94,7 @@ def run_study(groups, extra, jobs=1):
         out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
         os.makedirs(out, exist_ok=True)
         cmd = [sys.executable, "-m", "lab.emulate", str(t), "configs/study.py", f"--tp_codec={codec}",
-               f"--codec_block={block}", f"--seed={seed}", *extra, f"--out_dir={out}"]
+               f"--codec_block={block}", f"--seed={seed}", *extra, f"--out_dir={out}", "--overwrite"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
@@ -122,7 +122,7 @@ def tp_real(tp, codecs, seeds, extra=()):
             os.makedirs(out, exist_ok=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "train.py",
                    "configs/study.py", f"--tp={tp}", f"--tp_codec={codec}", f"--seed={seed}", *extra,
-                   f"--out_dir={out}"]
+                   f"--out_dir={out}", "--overwrite"]
             print(" ".join(cmd), flush=True)
             p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
             if p.returncode != 0:

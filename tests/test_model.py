@@ -6,10 +6,17 @@ import torch
 from data.tokenizer import get_encoding
 from launcher import run_ranks
 from model import GPT, GPTConfig
-from sample import from_hf_state_dict, full_logits, generate
+from checkpoint import hf_to_full, shard_into
+from sample import full_logits, generate
 from test_parallel import comm_for
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "hf_gpt2_tiny.pt")
+
+
+def from_hf_state_dict(sd, config, comm=None):
+    model = GPT(config, comm)
+    shard_into(model, hf_to_full(sd, config))
+    return model
 
 
 def test_tokenizer_gives_gpt2_ids():

@@ -86,7 +86,7 @@ def test_compressed_sequence_parallel_tracks_the_reference(tmp_path, reference):
     train, _ = losses(str(tmp_path))
     assert max(abs(a - b) for a, b in zip(train, reference[0])) < 1e-3
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
-        assert json.loads(f.readline())["tp_ratio"] > 3.5
+        assert next(r for r in map(json.loads, f) if "tp_ratio" in r)["tp_ratio"] > 3.5
 
 
 def test_compressed_dp_gradients_track_the_reference(tmp_path, reference):
@@ -98,7 +98,7 @@ def test_compressed_dp_gradients_track_the_reference(tmp_path, reference):
     train, _ = losses(str(tmp_path))
     assert max(abs(a - b) for a, b in zip(train, reference[0])) < 0.01
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
-        assert json.loads(f.readline())["dp_ratio"] > 3.5
+        assert next(r for r in map(json.loads, f) if "dp_ratio" in r)["dp_ratio"] > 3.5
 
 
 def test_compressed_pipeline_tracks_the_reference(tmp_path, reference):
@@ -112,7 +112,7 @@ def test_compressed_pipeline_tracks_the_reference(tmp_path, reference):
     assert max(abs(a - b) for a, b in zip(train, reference[0])) < 0.02
     assert train != reference[0]                                          # it did compress
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
-        assert json.loads(f.readline())["pp_ratio"] > 4.5
+        assert next(r for r in map(json.loads, f) if "pp_ratio" in r)["pp_ratio"] > 4.5
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
@@ -137,7 +137,7 @@ def test_zero1_with_sdp4bit_compression_tracks_the_reference(tmp_path, reference
     assert max(abs(a - b) for a, b in zip(train, reference[0])) < 0.02
     assert train != reference[0]
     with open(os.path.join(tmp_path, "log.jsonl")) as f:
-        assert json.loads(f.readline())["dp_ratio"] > 4.5
+        assert next(r for r in map(json.loads, f) if "dp_ratio" in r)["dp_ratio"] > 4.5
 
 
 def test_sampling_through_the_pipeline_matches_one_rank(tmp_path):

@@ -1,0 +1,196 @@
+"""
+The settings of a run. train.py's defaults block is the one source of truth: every setting's name,
+its default (hence its type) and the comment on its line, which `python train.py --help` prints.
+This module reads config files (plain Python assignments) and --key=value overrides into a dict,
+and refuses, before any process group or model exists, whatever cannot work, with the fix.
+"""
+import ast
+import difflib
+import os
+import re
+import traceback
+
+import torch
+
+import parallel
+import taco
+from data.loader import check_tokens
+from model import GPTConfig
+
+ConfigError = parallel.ConfigError
+CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
+           "schedule": parallel.SCHEDULES, "tp_transport": taco.TRANSPORTS}
+AT_LEAST = {1: ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+                "max_iters", "log_interval", "tp", "pp", "taco_chunks", "timeout"),
+            0: ("eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "profile_steps",
+                "taco_min_bytes", "seed", "learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops"),
+            -1: ("ckpt_interval",)}
+BELOW_ONE = ("dropout", "beta1", "beta2")                     # in [0, 1)
+BOOLS = {"True": True, "False": False, "true": True, "false": False, "1": True, "0": False}
+
+
+def options(source):
+    """(section, key, default as written, comment) of every setting in the block between the two
+    `# ----` lines of `source` (train.py): what --help prints."""
+    out, section, inside = [], "", False
+    with open(source) as f:
+        for line in f:
+            if line.startswith("# ----"):
+                if inside:
+                    break
+                inside = True
+            elif inside:
+                m = re.match(r"(\w+) = (.+?)(?:\s+#\s*(.*))?$", line.rstrip())
+                if m:
+                    out.append((section, m[1], m[2], m[3] or ""))
+                elif line.startswith("# "):
+                    section = line[2:].strip()
+    return out
+
+
+def help_text(source):
+    lines = ["usage: [torchrun --nproc_per_node=N] train.py [config.py ...] [--key=value ...]", "",
+             "A config file is plain Python assignments to the settings below; --key=value (or --key value)",
+             "overrides them, type-checked against the default. Settings:"]
+    section = None
+    for sec, key, default, comment in options(source):
+        if sec != section:
+            lines += ["", f"# {sec}"]
+            section = sec
+        lines.append(f"  --{key}={default}".ljust(40) + (f"  {comment}" if comment else ""))
+    return "\n".join(lines)
+
+
+def known(key, defaults, where):
+    if key not in defaults:
+        near = difflib.get_close_matches(key, list(defaults), n=1)
+        hint = f"; did you mean {near[0]}?" if near else f"; python train.py --help lists them"
+        raise ConfigError(f"{where}: unknown setting {key!r}{hint}")
+
+
+def typed(key, value, defaults, where):
+    """value with the default's type (an int where a float is expected becomes a float)."""
+    want = type(defaults[key])
+    if want is float and type(value) is int:
+        value = float(value)
+    if type(value) is not want:
+        raise ConfigError(f"{where}: expected {want.__name__} (the default is {defaults[key]!r}), "
+                          f"got {type(value).__name__} {value!r}")
+    return value
+
+
+def read_file(path, defaults):
+    """{key: value} of a config file; an unknown name, a wrong type or an error names file and line."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path} not found (settings are given as --key=value)")
+    with open(path) as f:
+        src = f.read()
+    ns = {}
+    try:
+        exec(compile(src, path, "exec"), ns)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}:{e.lineno}: {e.msg}") from None
+    except Exception as e:
+        line = next((fr.lineno for fr in reversed(traceback.extract_tb(e.__traceback__)) if fr.filename == path), "?")
+        raise ConfigError(f"{path}:{line}: {type(e).__name__}: {e}") from None
+    out = {}
+    for node in ast.walk(ast.parse(src)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            if isinstance(t, ast.Name) and not t.id.startswith("_"):
+                known(t.id, defaults, f"{path}:{node.lineno}")
+                out[t.id] = typed(t.id, ns[t.id], defaults, f"{path}:{node.lineno}")
+    return out
+
+
+def parse(defaults, argv):
+    """The resolved settings: defaults, then config files and --key=value overrides in order."""
+    cfg, i = dict(defaults), 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith("--"):
+            cfg.update(read_file(arg, defaults))
+            continue
+        key, eq, val = arg[2:].partition("=")
+        known(key, defaults, f"--{key}")
+        if not eq:                                   # --flag (a bool), or --key value
+            if isinstance(defaults[key], bool) and not (i < len(argv) and argv[i] in BOOLS):
+                val = "True"
+            elif i < len(argv):
+                val, i = argv[i], i + 1
+            else:
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+        if isinstance(defaults[key], bool) and val in BOOLS:
+            v = BOOLS[val]
+        else:
+            try:
+                v = ast.literal_eval(val)
+            except (ValueError, SyntaxError):
+                v = val                              # a bare word is a string
+        cfg[key] = typed(key, v, defaults, f"--{key}={val}")
+    return cfg
+
+
+def check_values(cfg):
+    """Every setting inside its valid range."""
+    for key, choices in CHOICES.items():
+        if cfg[key] not in choices:
+            extra = " (float16 would need loss scaling; bfloat16 has fp32's range)" if cfg[key] == "float16" else ""
+            raise ConfigError(f"{key}={cfg[key]!r}: choose one of {', '.join(choices)}{extra}")
+    for low, keys in AT_LEAST.items():
+        for k in keys:
+            if cfg[k] < low:
+                raise ConfigError(f"{k}={cfg[k]} must be >= {low}")
+    for k in BELOW_ONE:
+        if not 0 <= cfg[k] < 1:
+            raise ConfigError(f"{k}={cfg[k]} must be in [0, 1)")
+    if cfg["eval_interval"] and cfg["eval_iters"] < 1:
+        raise ConfigError("eval_iters=0 with eval_interval > 0: set eval_iters >= 1, or eval_interval=0 for no evaluation")
+    b = cfg["codec_block"]
+    if b < 32 or b > 1024 or b & (b - 1):
+        raise ConfigError(f"codec_block={b} must be a power of two in [32, 1024]")
+    for k in ("tp_codec", "tp_codec_bwd", "dp_codec", "pp_codec", "pp_codec_bwd", "zero_codec"):
+        if cfg[k] not in ("", *taco.codec_names()) or (cfg[k] == "" and not k.endswith("_bwd")):
+            raise ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())} "
+                              f"(the lab's tahquant: launch with -m lab.tahquant instead of train.py)")
+
+
+def check(cfg, world, local_world=None):
+    """Everything that can be refused before launch: values, layout, devices, data files."""
+    check_values(cfg)
+    mc = GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])
+    dp = parallel.check_layout(cfg["tp"], cfg["pp"], world, None, mc.n_head, mc.n_embd, mc.padded_vocab,
+                               mc.n_layer, cfg["schedule"])
+    local_world = local_world or world
+    if local_world % cfg["tp"]:
+        raise ConfigError(f"tp={cfg['tp']} does not divide the {local_world} processes of a node (LOCAL_WORLD_SIZE): "
+                          f"a TP group must sit inside one node (it all-reduces every layer); use tp <= "
+                          f"{local_world} dividing it, and pp/dp across nodes")
+    if cfg["eval_interval"] and cfg["eval_iters"] % dp:
+        raise ConfigError(f"eval_iters={cfg['eval_iters']} is not divisible by dp={dp}: every DP rank "
+                          f"evaluates the same number of batches; use a multiple of {dp}")
+    if cfg["sequence_parallel"] and cfg["block_size"] % cfg["tp"]:
+        raise ConfigError(f"sequence_parallel needs block_size ({cfg['block_size']}) divisible by tp={cfg['tp']}")
+    if cfg["zero1"] and dp == 1:
+        raise ConfigError(f"zero1 shards the optimizer over data parallelism, but dp=1: launch "
+                          f"{2 * cfg['tp'] * cfg['pp']} processes (dp=2) or set zero1=False")
+    if cfg["zero_codec"] not in ("", "none") and not cfg["zero1"]:
+        raise ConfigError("zero_codec compresses ZeRO-1's parameter all-gather: set zero1=True too")
+    if cfg["tp_transport"] == "symm" and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
+        raise ConfigError("tp_transport='symm' needs GPUs (symmetric memory): use auto or dist")
+    if cfg["device"] == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
+    for split in ("train", "val"):
+        path = os.path.join(data_dir(cfg), f"{split}.bin")
+        try:
+            check_tokens(path, cfg["block_size"], mc.vocab_size)
+        except ValueError as e:
+            raise ConfigError(f"{e} (python data/prepare.py {cfg['dataset']} writes it)") from None
+    return dp
+
+
+def data_dir(cfg):
+    """The dataset's folder: <data_dir>/<dataset>, data_dir defaulting to this repository's data/."""
+    return os.path.join(cfg["data_dir"] or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"),
+                        cfg["dataset"])

@@ -1,0 +1,242 @@
+"""What a user touches: the settings (--help, config files, errors), weights in and out
+(init_from, sample.py generate/export, checkpoints merged across layouts), data preparation,
+a two-node launch, and the run's files (log.jsonl, out_dir)."""
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checkpoint
+import config
+import train
+from launcher import run_ranks
+from model import GPT, GPTConfig
+from sample import generate
+from test_parallel import comm_for
+from test_train import ROOT, TINY, run
+
+MC = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
+
+
+# --- settings --------------------------------------------------------------------------------
+
+def test_help_lists_every_setting_with_its_default_and_comment():
+    p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
+    lines = {ln.split("=")[0].strip(): ln for ln in p.stdout.splitlines() if ln.startswith("  --")}
+    assert set(lines) == {f"--{k}" for k in train.DEFAULTS}
+    for key, line in lines.items():
+        default, comment = line[:40].split("=", 1)[1].strip(), line[40:].strip()
+        assert comment, f"{key} has no comment"
+        assert ast.literal_eval(default) == train.DEFAULTS[key[2:]], line
+
+
+def test_config_file_is_checked_like_the_command_line(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("max_iters = 20\nn_layers = 2\n")
+    with pytest.raises(config.ConfigError, match=r"c.py:2: unknown setting 'n_layers'; did you mean n_layer\?"):
+        config.parse(train.DEFAULTS, [str(f)])
+    f.write_text("# a comment\nmax_iters = '20'\n")
+    with pytest.raises(config.ConfigError, match=r"c.py:2: expected int"):
+        config.parse(train.DEFAULTS, [str(f)])
+    f.write_text("n_layer = 2\nlearning_rate = 1 / 0\n")
+    with pytest.raises(config.ConfigError, match=r"c.py:2: ZeroDivisionError"):
+        config.parse(train.DEFAULTS, [str(f)])
+    f.write_text("n_layer = 2\nlearning_rate = 3e-4\nwarmup_iters = 4 * 5\n")
+    c = config.parse(train.DEFAULTS, [str(f), "--max_iters", "7", "--compile", "--resume", "False"])
+    assert (c["n_layer"], c["learning_rate"], c["warmup_iters"], c["max_iters"]) == (2, 3e-4, 20, 7)
+    assert c["compile"] is True and c["resume"] is False
+    with pytest.raises(config.ConfigError, match="did you mean max_iters"):
+        config.parse(train.DEFAULTS, ["--max_iter=5"])
+    with pytest.raises(config.ConfigError, match="--max_iters needs a value"):
+        config.parse(train.DEFAULTS, ["--max_iters"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype=float16"], "dtype='float16': choose one of auto, float32, bfloat16"),
+    (["--device=gpu"], "device='gpu': choose one of auto, cpu, cuda"),
+    (["--block_size=0"], "block_size=0 must be >= 1"),
+    (["--max_iters=-5"], "max_iters=-5 must be >= 1"),
+    (["--batch_size=-4"], "batch_size=-4 must be >= 1"),
+    (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be >= 1"),
+    (["--log_interval=0"], "log_interval=0 must be >= 1"),
+    (["--n_layer=0"], "n_layer=0 must be >= 1"),
+    (["--taco_chunks=0"], "taco_chunks=0 must be >= 1"),
+    (["--eval_iters=0"], "eval_iters=0 with eval_interval > 0"),
+    (["--codec_block=100"], "codec_block=100 must be a power of two"),
+    (["--tp_codec="], "tp_codec='' is not a codec"),
+    (["--dropout=1.5"], "dropout=1.5 must be in [0, 1)"),
+    (["--timeout=0"], "timeout=0 must be >= 1"),
+])
+def test_values_outside_their_range_are_refused(args, message):
+    with pytest.raises(config.ConfigError) as e:
+        config.check(config.parse(train.DEFAULTS, args), 1)
+    assert message in str(e.value)
+
+
+def test_a_tp_group_must_sit_inside_one_node():
+    c = config.parse(train.DEFAULTS, ["--tp=4"])
+    with pytest.raises(config.ConfigError, match="a TP group must sit inside one node"):
+        config.check(c, 8, local_world=2)
+    assert config.check(config.parse(train.DEFAULTS, ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2",
+                                                      "--eval_iters=2"]), 8, local_world=2) == 2
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "holds 0 tokens"), (b"\x01\x02\x03", "odd number of bytes"), (b"\x01\x00" * 10, "holds 10 tokens"),
+    (b"\xff\xff" * 100, "token id 65535, outside the vocabulary of 50257"),
+])
+def test_bad_data_files_are_refused_naming_the_file(tmp_path, content, message):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "train.bin").write_bytes(content)
+    (d / "val.bin").write_bytes(b"\x01\x00" * 100)
+    c = config.parse(train.DEFAULTS, [f"--data_dir={tmp_path}", "--dataset=bad", "--block_size=16"])
+    with pytest.raises(config.ConfigError) as e:
+        config.check(c, 1)
+    assert message in str(e.value) and str(d / "train.bin") in str(e.value)
+
+
+# --- weights in and out ------------------------------------------------------------------------
+
+def _hf_weights(seed=0):
+    """A random GPT-2-layout state dict (the real vocabulary) with the TINY model's shapes."""
+    g = torch.Generator().manual_seed(seed)
+    C, L = MC["n_embd"], MC["n_layer"]
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1
+    sd = {"transformer.wte.weight": r(50257, C), "transformer.wpe.weight": r(MC["block_size"], C),
+          "transformer.ln_f.weight": 1 + r(C), "transformer.ln_f.bias": r(C)}
+    for i in range(L):
+        p = f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            sd[p + ln + ".weight"], sd[p + ln + ".bias"] = 1 + r(C), r(C)
+        for name, (i_, o) in {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, 4 * C),
+                              "mlp.c_proj": (4 * C, C)}.items():
+            sd[p + name + ".weight"], sd[p + name + ".bias"] = r(i_, o), r(o)
+    return sd
+
+
+def test_hf_import_then_export_is_bit_exact(tmp_path):
+    sd = _hf_weights()
+    mc = GPTConfig(**MC)
+    checkpoint.write_safetensors(sd, str(tmp_path / "model.safetensors"))
+    back = checkpoint.full_to_hf(checkpoint.hf_to_full(checkpoint.read_weights(str(tmp_path)), mc), mc)
+    assert set(back) == set(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+
+
+def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
+    """train.py --init_from=<HF folder> on TP=2 x PP=2 with a learning rate of 0: the checkpoint set,
+    merged and exported, is the imported weights bit for bit (every shard went to the right rank)."""
+    sd = _hf_weights(1)
+    src, out, exported = tmp_path / "hf", tmp_path / "run", tmp_path / "exported"
+    src.mkdir()
+    torch.save(sd, src / "pytorch_model.bin")
+    run(TINY + ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=1", "--eval_interval=0",
+                "--learning_rate=0", "--min_lr=0", "--weight_decay=0", f"--init_from={src}", f"--out_dir={out}"],
+        nproc=4)
+    subprocess.run([sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True,
+                   capture_output=True)
+    back = checkpoint.read_weights(str(exported))
+    assert set(back) == set(sd)
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    assert json.load(open(exported / "config.json"))["n_layer"] == MC["n_layer"]
+
+
+def _tp2_greedy(rank, world, folder):
+    mc = GPTConfig(vocab_size=50257, **MC)
+    model = GPT(mc, comm_for(rank, world), seed=5).eval()
+    os.makedirs(folder, exist_ok=True)
+    cfg = dict(train.DEFAULTS, **MC, tp=2)
+    torch.save({"model": model.state_dict(), "config": cfg, "iter": 1, "layout": [2, 1]},
+               os.path.join(folder, f"tp{rank}_pp0.pt"))
+    if rank == 0:
+        with open(os.path.join(folder, "COMPLETE"), "w") as f:
+            json.dump({"iter": 1, "tp": 2, "pp": 1, "dp": 1, "zero1": False}, f)
+    idx = torch.tensor([[464, 3290, 318]])
+    return generate(model, idx, 12, top_k=1, generator=torch.Generator().manual_seed(0))
+
+
+def test_tp2_checkpoint_merged_gives_the_same_greedy_tokens(tmp_path):
+    folder = str(tmp_path / "ckpt" / "iter_00000001")
+    tp_tokens = run_ranks(_tp2_greedy, 2, folder)[0]
+    import sample
+    merged = sample.load(str(tmp_path))
+    ones = generate(merged, torch.tensor([[464, 3290, 318]]), 12, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ones, tp_tokens)
+    ref = GPT(GPTConfig(vocab_size=50257, **MC), seed=5)             # the same init at TP=1
+    for k, v in ref.state_dict().items():
+        assert torch.equal(merged.state_dict()[k], v), k
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def test_prepare_text_files_and_folders(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(4):
+        (texts / f"d{i}.txt").write_text(f"Document number {i}. " * 20)
+    subprocess.run([sys.executable, "data/prepare.py", "mine", "--files", str(texts), "--val_fraction=0.25",
+                    f"--out_root={tmp_path}"], cwd=ROOT, check=True, capture_output=True)
+    meta = json.load(open(tmp_path / "mine" / "meta.json"))
+    assert len(meta["train"]["documents"]) == 3 and meta["val"]["documents"] == [str(texts / "d3.txt")]
+    from data.tokenizer import get_encoding
+    import numpy as np
+    val = np.fromfile(tmp_path / "mine" / "val.bin", dtype=np.uint16).tolist()
+    assert get_encoding().decode(val) == "Document number 3. " * 19 + "Document number 3.<|endoftext|>"
+
+
+def test_prepare_a_local_hugging_face_dataset(tmp_path):
+    pytest.importorskip("datasets")
+    src = tmp_path / "corpus"
+    src.mkdir()
+    with open(src / "part.jsonl", "w") as f:
+        for i in range(100):
+            f.write(json.dumps({"body": f"Text {i}. " * (1 + i % 5), "id": i}) + "\n")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    subprocess.run([sys.executable, "data/prepare.py", "loc", "--hf", str(src), "--text_field=body",
+                    "--val_fraction=0.1", "--num_proc=2", f"--out_root={tmp_path}"], cwd=ROOT, check=True,
+                   capture_output=True, env=env)
+    meta = json.load(open(tmp_path / "loc" / "meta.json"))
+    assert (meta["train"]["documents"], meta["val"]["documents"]) == (90, 10)
+    from data.tokenizer import EOT
+    import numpy as np
+    ids = np.concatenate([np.fromfile(tmp_path / "loc" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
+    assert (ids == EOT).sum() == 100 and len(ids) == meta["train"]["tokens"] + meta["val"]["tokens"]
+
+
+def test_train_finds_its_data_from_any_working_directory(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--max_iters=1", "--eval_interval=0",
+                        f"--out_dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(ln) for ln in open(tmp_path / "out" / "log.jsonl")]
+    assert rows[0]["config"]["max_iters"] == 1 and rows[1]["iter"] == 1      # the resolved config comes first
+    assert "\r" not in p.stderr                                             # no progress bar in a redirected log
+
+
+# --- two nodes on one machine -------------------------------------------------------------------
+
+def test_two_node_launch_tp_inside_pp_across(tmp_path):
+    """Two torchrun launches as two nodes (2 ranks each, gloo, rendezvous on 127.0.0.1): TP=2 inside
+    each node, PP=2 across them; trains a few steps."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
+                               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
+                               *TINY, "--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=3",
+                               "--eval_interval=0", "--tp_codec=hint8", "--taco_min_bytes=0",
+                               f"--out_dir={tmp_path}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+    assert "grid: world 4 = dp 1 x pp 2 x tp 2" in outs[0]
+    losses = [r["loss"] for r in map(json.loads, open(tmp_path / "log.jsonl")) if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0]
