@@ -275,12 +275,13 @@ class Codec:
             if big.any():                                           # sigma of x * 2^-80, times 2^80
                 sigma = torch.where(big, fsqrt(block_sumsq(g * 2.0 ** -80) * (1.0 / B)) * 2.0 ** 80, sigma)
             alpha = fdiv(torch.full_like(sigma, self.tau), sigma)
-            g = g * alpha[..., None]
-        # === Eq. 8: rotation, as H(x / B) * (sqrt(B)): the butterflies never overflow ===
+        # === Eq. 8: rotation, as H(x / B) * sqrt(B): the butterflies never overflow ===
         rot = sp.rotate and not rotated
         cb = self.c * B if rot else 1.0                             # 1/sqrt(B) * B, exact in fp32
+        pre = 1.0 / B if rot else 1.0                               # (folded into alpha when there is one)
+        g = g * (alpha * pre)[..., None] if sp.adaptive else g * pre
         if rot:
-            g = fwht(g * (1.0 / B))                                 # Z / sqrt(B), Z = H(x) / sqrt(B)
+            g = fwht(g)                                             # Z / sqrt(B), Z = H(x) / sqrt(B)
         # === Eq. 9: absmax scale (s = m / Qmax and 1/s correctly rounded, once per block) ===
         if sp.scale in ("block", "tensor"):
             m = g.abs().amax(dim=-1) if sp.scale == "block" else g.abs().reshape(M, -1).amax(dim=-1)[:, None]

@@ -94,27 +94,20 @@ __device__ __forceinline__ void load8(const void* x, int dt, long long n, long l
   }
 }
 
-__device__ __forceinline__ unsigned pack2(float a, float b, int dt) {   // round to nearest even, a low
-  if (dt == TACO_BF16) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<unsigned*>(&h);
-  }
-  __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<unsigned*>(&h);
+// round to nearest even, a low; saturating: a finite value past the type's largest rounds to it
+// (not to Inf), NaN stays NaN (the reference clamps to the largest finite value before its cast)
+__device__ __forceinline__ unsigned pack2(float a, float b, int dt) {
+  unsigned d;
+  if (dt == TACO_BF16) asm("cvt.rn.satfinite.bf16x2.f32 %0, %2, %1;" : "=r"(d) : "f"(a), "f"(b));
+  else asm("cvt.rn.satfinite.f16x2.f32 %0, %2, %1;" : "=r"(d) : "f"(a), "f"(b));
+  return d;
 }
 
-__device__ __forceinline__ float largest(int dt) {       // the output type's largest finite value
-  return dt == TACO_F32 ? 3.40282347e38f : dt == TACO_BF16 ? __uint_as_float(0x7f7f0000u) : 65504.f;
+__device__ __forceinline__ float saturate(float v) {     // to fp32's largest finite value; NaN stays NaN
+  return v > 3.40282347e38f ? 3.40282347e38f : (v < -3.40282347e38f ? -3.40282347e38f : v);
 }
 
-// sat: decoded values saturate at the output type's largest finite value (NaN stays NaN), so that
-// quantisation error cannot carry a representable sum past it; the caller skips it for blocks
-// whose values cannot come near it
-__device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float u[E], bool sat) {
-  const float big = largest(dt);
-  float v[E];
-#pragma unroll
-  for (int j = 0; j < E; j++) v[j] = sat ? (u[j] > big ? big : (u[j] < -big ? -big : u[j])) : u[j];
+__device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float v[E]) {
   if (dt == TACO_F32) {
     float* p = static_cast<float*>(out) + i0;
     if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
@@ -420,18 +413,21 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
     lane_spread<N>(alpha_mine, alpha);
 #pragma unroll
     for (int k = 0; k < N; k++) {
+      const float mul = ROT ? alpha[k] * (1.0f / B) : alpha[k];        // the rotation's 1/B folded in
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * alpha[k];
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul;
     }
   }
 
   // === Eq. 8: Z = H(alpha G) / sqrt(B), computed as H(alpha G / B) (butterflies that cannot
   // overflow); the factor sqrt(B) is applied below, folded into the scale ===
   if (ROT) {
+    if (!p.adaptive) {
 #pragma unroll
-    for (int k = 0; k < N; k++)
+      for (int k = 0; k < N; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
+    }
     fwht_a_to_c<N>(v, sm, lane);
   }
 
@@ -553,17 +549,19 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
       const float s = big[k] ? r[k].s * 0x1p-64f : r[k].s;
       const float pre = fast[k] ? s * C : s;
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
+      for (int j = 0; j < E; j++) v[k][j] = !ROT && TO_A ? saturate(v[k][j] * pre) : v[k][j] * pre;
     }
   }
   if (ROT) {
     fwht_a_to_c<N>(v, sm, lane);
 #pragma unroll
     for (int k = 0; k < N; k++) {
+      // decoded values saturate at fp32's largest (16-bit outputs: in their conversion): only a
+      // huge block's last factor or 1 / alpha can carry a finite value past it
       if (!fast[k] || big[k]) {
         const float post = big[k] ? 0x1p64f : C;
 #pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * post;
+        for (int j = 0; j < E; j++) v[k][j] = big[k] ? saturate(v[k][j] * post) : v[k][j] * post;
       }
     }
   }
@@ -575,7 +573,7 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
 #pragma unroll
     for (int k = 0; k < N; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * ia[k];
+      for (int j = 0; j < E; j++) v[k][j] = TO_A ? saturate(v[k][j] * ia[k]) : v[k][j] * ia[k];
   }
   if (ROT && TO_A) {
     __syncwarp();                     // every lane is done reading the layout-B words
@@ -676,12 +674,8 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
     decode_blocks<FMT, ROT, SCALE, K, true>(r, v, lane, p, smem[warp]);
     const long long i0 = msg * p.L + first * B + lane * E;
 #pragma unroll
-    for (int k = 0; k < K; k++) {
-      // |decoded| <= 16 Qmax s / alpha (H / sqrt(B) of codes <= Qmax): saturate only when that
-      // bound comes near the output's limit (or is NaN); a warp-uniform flag per block
-      const float bound = r[k].s * (p.qmax * CB) / (p.adaptive ? r[k].alpha : 1.f);
-      if (k < nk) store8(out, dt, n, i0 + k * B, v[k], !SCALE || !(bound < 0.5f * largest(dt)));
-    }
+    for (int k = 0; k < K; k++)
+      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
     if (!nk_next) break;
 #pragma unroll
     for (int k = 0; k < K; k++) r[k] = decode_ahead<FMT>() ? rn[k] : load_raw<FMT>(m, k < nk_next ? next + k : next, nbs, lane, p);

@@ -334,9 +334,11 @@ def main(argv=None, model_hook=None):
     r = setup(c, model_hook)
     try:
         train(r)
-    except dist.DistBackendError as e:                   # a collective timed out: a rank stalled or died
+    except RuntimeError as e:                            # gloo: "Timed out ...", NCCL: DistBackendError
+        if "timed out" not in str(e).lower() and not isinstance(e, dist.DistBackendError):
+            raise
         raise SystemExit(f"rank {r.grid.rank}: a collective did not complete within timeout={c['timeout']} s "
-                         f"(another rank stalled or died): {str(e).splitlines()[0]}")
+                         f"(another rank stalled or died): {str(e).splitlines()[0]}") from None
     if r.grid.world > 1:
         dist.barrier()
         dist.destroy_process_group()

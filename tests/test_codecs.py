@@ -499,3 +499,50 @@ def test_non_float_tensors_are_refused_and_chunks_checked(name):
         taco.all_reduce(torch.arange(10, dtype=torch.int32), codec=name)
     with pytest.raises(ValueError, match="chunks=0 must be a positive integer"):
         taco.all_reduce(torch.ones(10), codec=name, chunks=0)
+
+
+# --- the rounding rule: to nearest, ties to even, against independent definitions --------------
+
+def e4m3_values():
+    """Every finite E4M3 value from its bit layout (1 sign, 4 exponent bits with bias 7, 3 mantissa
+    bits; exponent 0 subnormal; S.1111.111 is NaN), sorted, with the code of each."""
+    vals = {}
+    for code in range(256):
+        s, e, m = code >> 7, (code >> 3) & 15, code & 7
+        if e == 15 and m == 7:
+            continue
+        v = (m / 8) * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        vals.setdefault(-v if s else v, code)
+    return sorted(vals.items())
+
+
+def test_integer_codes_round_half_to_even():
+    """quantize() (every INT codec's last step): halfway values go to the even integer, as Python's
+    round() defines it."""
+    y = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5, 4.4999, 4.5001] * 4)
+    for fmt, decode in (("int8", lambda b: b.view(torch.int8).float()), ("int6", taco.unpack_int6),
+                        ("int4", taco.unpack_int4)):
+        q = taco.QMAX[fmt]
+        yy = y.clamp(-q, q)
+        got = decode(taco.quantize(yy, fmt)).float().reshape(-1)
+        assert got.tolist() == [float(round(v)) for v in yy.tolist()], fmt
+
+
+def test_e4m3_codes_round_to_nearest_even_at_every_midpoint():
+    """quantize() to E4M3 (taco, ds, fp8, ...): every midpoint between two neighbouring values goes
+    to the one whose code is even (mantissa LSB 0); just above or below it, to the nearer one."""
+    vals = e4m3_values()
+    mids, want, above, below = [], [], [], []
+    for (a, ca), (b, cb) in zip(vals, vals[1:]):
+        m = (a + b) / 2
+        mids.append(m)
+        want.append(ca if ca % 2 == 0 else cb)
+        above.append(cb)
+        below.append(ca)
+    t = lambda v: torch.tensor(v, dtype=torch.float64).float()
+    value = {c: v for v, c in vals} | {128: 0.0}                           # -0 is zero (the tie next to it)
+    q = lambda v: [value[c] for c in taco.quantize(t(v), "e4m3").tolist()]
+    assert q(mids) == [value[c] for c in want]
+    eps = [abs(b - a) * 1e-3 for (a, _), (b, _) in zip(vals, vals[1:])]
+    assert q([m + e for m, e in zip(mids, eps)]) == [value[c] for c in above]
+    assert q([m - e for m, e in zip(mids, eps)]) == [value[c] for c in below]
