@@ -41,9 +41,18 @@ Wire format: one uint8 buffer per message,
 so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nmeta*4: pointer
 arithmetic, no index. A message is self-contained: it can be sent, stored and decoded alone.
 
-Non-finite input: a block containing NaN or +-Inf (or whose rotation/RMS overflows fp32) is
-marked bad: its codes are 0 and its scale is NaN, so it decodes to NaN. Nothing non-finite is
-ever silently turned into a finite number. (For the scale-free `fp8` codec this is per element.)
+Non-finite input: a block containing NaN or +-Inf is marked bad: its codes are 0 and its scale
+is NaN, so it decodes to NaN. Nothing non-finite is ever silently turned into a finite number.
+(For the scale-free `fp8` codec this is per element.) Finite input stays finite where the true
+result is representable, near fp32/bf16/fp16's limits too: the rotation is computed on x / B (its
+butterflies cannot overflow) with sqrt(B) folded into the scale; a block's scale is at least
+2^-126 (so 1/s stays finite for tiny blocks); huge scales (s > 2^100) decode in units of 2^64;
+alpha falls back to a scaled sum of squares when the squares overflow; decoded values SATURATE
+at the output type's largest finite value (so a real overflow of the sum also saturates, where
+an uncompressed all-reduce would give Inf). Exception: in the rotated-domain reduce, a block of
+huge values of one sign (|x| > ~1e37 over a whole block) can overflow fp32 and is marked bad (NaN).
+The collectives refuse integer tensors (codec 'none' carries them), and on a codec's first use
+on a group the ranks check that they all use the same one.
 
 The two-shot compressed all-reduce (all_reduce below)
 -----------------------------------------------------
@@ -538,10 +547,8 @@ _AGREED = set()
 
 
 def _check(x, group, cd, chunks=1):
-    """Refuse what the codecs cannot carry, and make sure every rank uses the same codec: on a
-    codec's first use on a group the ranks compare (name, block) with one small all-gather (once
-    per process, so it costs nothing afterwards); different codecs would decode each other's bytes
-    into different wrong values."""
+    """Refuse what the codecs cannot carry; on a codec's first use on a group, one small all-gather
+    checks that every rank uses the same codec (else each would decode the others' bytes wrongly)."""
     if cd is IDENTITY:
         return
     if not x.is_floating_point():
@@ -549,18 +556,15 @@ def _check(x, group, cd, chunks=1):
                         f"all-reduce it with torch.distributed (or codec='none')")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    key = ((group or dist.group.WORLD).group_name, cd.name, getattr(cd, "B", 0))
-    if key in _AGREED:
-        return
-    mine = torch.tensor([sum(cd.name.encode()) * 1000003 + len(cd.name), getattr(cd, "B", 0)], device=x.device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    if any(not torch.equal(e, mine) for e in every):
-        raise RuntimeError(f"taco: the ranks of a group use different codecs or block sizes (this rank: "
-                           f"{cd.name!r}, B={getattr(cd, 'B', 0)}); every rank must pass the same codec")
-    _AGREED.add(key)
+    key = (group or dist.group.WORLD, cd.name, getattr(cd, "B", 0))
+    if key not in _AGREED and dist.is_initialized() and dist.get_world_size(group) > 1:
+        mine = torch.tensor([sum(cd.name.encode()) * 1000003 + len(cd.name), key[2]], device=x.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        if any(not torch.equal(e, mine) for e in every):
+            raise RuntimeError(f"taco: the ranks of a group use different codecs or block sizes (this rank: "
+                               f"{cd.name!r}, B={key[2]}); every rank must pass the same codec")
+        _AGREED.add(key)
 
 
 def _plan_chunks(n, W, B, chunks):

@@ -137,3 +137,18 @@ def test_single_process_emulation_is_bitwise_the_real_collective():
     for per_codec in at(3, "emulation"):
         for codec, (real, emulated) in zip(EMULATED, per_codec):
             assert torch.equal(real, emulated), codec
+
+
+def _mismatched_codecs(rank, world):
+    try:
+        taco.all_reduce(torch.ones(1000), codec=["hint8", "taco"][rank])
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_codecs_are_told_so():
+    """Rank 0 passes hint8, rank 1 taco: both learn it on the codec's first use (instead of each
+    decoding the other's bytes into different wrong values)."""
+    for msg in run_ranks(_mismatched_codecs, 2):
+        assert "the ranks of a group use different codecs" in msg
