@@ -10,6 +10,8 @@ exposes it as ext.Params with the same field names): params() below fills it by 
 import functools
 import hashlib
 import os
+import re
+import subprocess
 
 import torch
 import torch.distributed as dist
@@ -50,8 +52,8 @@ def load(verbose=False):
     os.makedirs(build, exist_ok=True)
     build_it = lambda: jit_load(name="taco_ext" + tag, sources=[os.path.join(_HERE, "taco_binding.cpp"),
                                                                 os.path.join(_HERE, "taco_kernels.cu")],
-                                extra_cuda_cflags=["-O3", "-fmad=false"] + extra, extra_include_paths=[_HERE],
-                                build_directory=build, verbose=verbose)
+                                extra_cuda_cflags=["-O3", "-fmad=false"] + _split_compile() + extra,
+                                extra_include_paths=[_HERE], build_directory=build, verbose=verbose)
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if shared and int(os.environ.get("LOCAL_RANK", "0")) != 0:
         dist.barrier()                                             # wait for local rank 0's build
@@ -61,6 +63,19 @@ def load(verbose=False):
         if shared:
             dist.barrier()
     return _EXT
+
+
+def _split_compile():
+    """nvcc >= 12.1 optimises the kernels on all CPU threads with --split-compile=0 (a kernel edit
+    rebuilds in about half the time; the code is the same)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+    try:
+        out = subprocess.run([os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc"), "--version"],
+                             capture_output=True, text=True).stdout
+        major, minor = map(int, re.search(r"release (\d+)\.(\d+)", out).groups())
+    except (OSError, AttributeError):
+        return []
+    return ["--split-compile=0"] if (major, minor) >= (12, 1) else []
 
 
 @functools.lru_cache(maxsize=1024)
