@@ -270,19 +270,26 @@ def _e2e_row(entry, out):
             "comm ms": round(sum(v for n, v in k.items() if n.startswith("comm")), 1) if prof else "-",
             "codec ms": round(k.get("codec kernels", 0), 1) if prof else "-",
             "tp wire MiB/step": round(last["tp_wire_bytes"] / 2 ** 20, 2), "loss": round(last["loss"], 4),
+            "peak GiB": round(last["peak_mem_gib"], 2) if last.get("peak_mem_gib") is not None else "-",
             "profile": {"kernel_ms_per_step": k, **(prof or {})}}
 
 
 def bench_e2e(config, entries, nproc, extra, tag="e2e", profile_steps=5):
     """Train `config` once per entry (torchrun, nproc ranks), in this one invocation, and compare step
     time, tokens/s and MFU with the first entry (should be none). An entry is a TP codec, or
-    KEY=VALUE[/KEY=VALUE...] train.py settings. On a GPU the last `profile_steps` steps are profiled
+    KEY=VALUE[/KEY=VALUE...] train.py settings, or sol:fwd | sol:bwd | sol:all, the speed of light
+    (lab/speed_of_light.py: those TP all-reduces skipped; timing only, the results are wrong). The
+    peak GPU memory is the largest of any rank. On a GPU the last `profile_steps` steps are profiled
     (their kernel timeline gives the compute / comm / codec columns) and left out of the timing."""
     rows = []
     for entry in entries:
         out = os.path.join("out", f"{tag}_{entry.replace('=', '-').replace('/', '_')}")
-        settings = [f"--{kv}" for kv in entry.split("/")] if "=" in entry else [f"--tp_codec={entry}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "train.py", config,
+        if entry.startswith("sol:"):             # the speed of light: lab.speed_of_light, TP all-reduces skipped
+            entry_point, settings = ["-m", "lab.speed_of_light", entry[4:]], ["--tp_codec=none"]
+        else:
+            entry_point = ["train.py"]
+            settings = [f"--{kv}" for kv in entry.split("/")] if "=" in entry else [f"--tp_codec={entry}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *entry_point, config,
                *settings, "--eval_interval=0", "--sample_tokens=0", "--progress=False", "--ckpt_interval=-1",
                f"--profile_steps={profile_steps if torch.cuda.is_available() else 0}", *extra, f"--out_dir={out}"]
         print(" ".join(cmd), flush=True)
@@ -306,7 +313,7 @@ def bench_e2e(config, entries, nproc, extra, tag="e2e", profile_steps=5):
               "entry's ms / this entry's ms; compute/comm/codec ms = GPU kernel time per step by kind in the "
               "profiled steps (streams overlap, so they need not add up to the step)")
     table(rows, ["codec", "ms/step", "speedup", "tok/s", "MFU %", "compute ms", "comm ms", "codec ms",
-                 "tp wire MiB/step", "loss"])
+                 "tp wire MiB/step", "peak GiB", "loss"])
 
 
 def split_at_dashes(argv):

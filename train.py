@@ -284,7 +284,14 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
                         ("dp", r.dp_stats, r.grid.dp > 1)):
         if on:              # this rank's bytes on the wire, and how much less than uncompressed
             line += f" | {name}{f' {s.calls:3d} ar' if name == 'tp' else ''} {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}"
-    record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu)
+    mem = None
+    if r.use_cuda:                  # the peak GPU memory of the run so far, the largest of any rank
+        mem = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30], device=r.dev)
+        if r.grid.world > 1:
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        mem = mem.item()
+        line += f" | mem {mem:5.1f} GiB"
+    record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu, peak_mem_gib=mem)
     for name, s in (("tp", r.comm.stats), ("dp", r.dp_stats), ("pp", r.pp_stats)):
         record.update({f"{name}_wire_bytes": s.wire_bytes, f"{name}_ratio": s.ratio})
     return line, record

@@ -119,15 +119,32 @@ def test_e2e_benchmark_runs_every_entry_in_one_invocation(tmp_path):
     """bench.py e2e: one training per entry, same invocation, a table with the speedup column (on CPU
     the times mean nothing: the GPU results are in results/e2e_*.json); then lab.analysis curves
     plots their logs."""
-    sh(["bench.py", "e2e", "configs/demo.py", "none,hint8,tp_codec=taco/tp_transport=dist", "--nproc=2",
+    sh(["bench.py", "e2e", "configs/demo.py", "none,hint8,tp_codec=taco/tp_transport=dist,sol:all", "--nproc=2",
         "--tag=cputest", "--", "--max_iters=4", "--log_interval=1", "--pp=1", "--gradient_accumulation_steps=1",
         "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2"], NANOTACO_RESULTS=str(tmp_path))
     res = json.load(open(tmp_path / "e2e_cputest.json"))
-    assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "tp_codec=taco/tp_transport=dist"]
+    assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "tp_codec=taco/tp_transport=dist", "sol:all"]
     assert res["rows"][0]["speedup"] == "1.00x"
-    for r in res["rows"][1:]:
+    for r in res["rows"][1:3]:
         assert r["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
+    assert res["rows"][3]["tp wire MiB/step"] == 0 and res["rows"][3]["peak GiB"] == "-"   # skipped; no GPU
     assert res["rows"][1]["loss"] != res["rows"][2]["loss"]                         # hint8 vs taco: both ran
     logs = [os.path.join(ROOT, "out", f"cputest_{e}", "log.jsonl") for e in ("none", "hint8")]
     sh(["-m", "lab.analysis", "curves", *logs, f"--out={tmp_path}/curves.png"])
     assert os.path.getsize(tmp_path / "curves.png") > 10000
+
+
+def test_speed_of_light_skips_the_tp_all_reduces(tmp_path):
+    """lab.speed_of_light: with `all` no TP all-reduce puts a byte on the wire (the losses are
+    wrong: each rank trains on its partial sums); with `fwd` only the backward ones remain."""
+    from test_train import TINY, losses, run
+    common = TINY + ["--tp=2", "--max_iters=2", "--eval_interval=0"]
+    wire = {}
+    for which in ("all", "fwd"):
+        p = run([which, *common, f"--out_dir={tmp_path / which}"], nproc=2, module="lab.speed_of_light")
+        assert "SPEED OF LIGHT" in p.stdout
+        with open(tmp_path / which / "log.jsonl") as f:
+            wire[which] = [r["tp_wire_bytes"] for r in map(json.loads, f) if "loss" in r]
+    run(common + [f"--out_dir={tmp_path / 'real'}"], nproc=2)
+    assert wire["all"] == [0, 0] and all(w > 0 for w in wire["fwd"])
+    assert losses(str(tmp_path / "all"))[0][1] != losses(str(tmp_path / "real"))[0][1]

@@ -74,15 +74,23 @@ def test_layout_trains_like_one_rank(tmp_path, reference, tp, pp, dp, schedule, 
     assert evals[-1]["val_loss"] == pytest.approx(reference[1][-1]["val_loss"], rel=1e-5)
 
 
+NO_CLIP = TINY + ["--grad_clip=0.0", "--gradient_accumulation_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def reference_no_clip(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ref_no_clip"))
+    run(NO_CLIP + [f"--out_dir={out}"])
+    return losses(out)
+
+
 @pytest.mark.parametrize("pp, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
-def test_pipeline_without_clipping_is_bit_exact(tmp_path, pp, schedule):
+def test_pipeline_without_clipping_is_bit_exact(tmp_path, reference_no_clip, pp, schedule):
     """Without the clipped norm (whose squares the stages sum in another order) a pipeline step is
     one rank's arithmetic: every loss bit for bit."""
-    args = TINY + ["--grad_clip=0.0", "--gradient_accumulation_steps=4"]
-    run(args + [f"--out_dir={tmp_path}/one"])
-    run(args + [f"--pp={pp}", f"--schedule={schedule}", f"--out_dir={tmp_path}/pp"], nproc=pp)
-    one, pipe = losses(str(tmp_path / "one")), losses(str(tmp_path / "pp"))
-    assert pipe[0] == one[0] and pipe[1][-1]["val_loss"] == one[1][-1]["val_loss"]
+    run(NO_CLIP + [f"--pp={pp}", f"--schedule={schedule}", f"--out_dir={tmp_path}"], nproc=pp)
+    pipe = losses(str(tmp_path))
+    assert pipe[0] == reference_no_clip[0] and pipe[1][-1]["val_loss"] == reference_no_clip[1][-1]["val_loss"]
 
 
 def test_verbose_trace_shows_the_schedule(tmp_path):
