@@ -72,8 +72,9 @@ schedule = "1f1b"               # pipeline schedule: 1f1b | gpipe
 sequence_parallel = False       # shard LayerNorm/residual regions along the sequence over the TP group
 pp_verbose = False              # print every pipeline send/receive (for learning how a schedule runs)
 # tensor-parallel compression (taco.py): codec for forward activations / backward gradients
-tp_codec = "none"               # codec of the forward TP all-reduces: none | hint8 | taco | hint6 | ...
-tp_codec_bwd = ""               # "" = same as tp_codec
+tp_codec = "none"               # codec of the forward TP all-reduces: none | hint8 | taco | hint6 | ... | auto
+tp_codec_bwd = ""               # "" = same as tp_codec (auto: decided per direction, timed at start: tp_auto.py)
+tp_auto_bits = 8                # the codecs auto may choose: 8 (hint8) or 6 (hint8, hint6)
 codec_block = 256               # elements per codec block (a power of two; the kernels: 256)
 dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
 dp_overlap = True               # start each DP gradient bucket's all-reduce during the backward pass (False: after it)
@@ -156,12 +157,21 @@ def setup(cfg, model_hook=None):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     codecs = ([c["tp_codec"], c["tp_codec_bwd"]] * (grid.tp > 1) + [c["dp_codec"], c["zero_codec"]] * (grid.dp > 1)
               + [c["pp_codec"], c["pp_codec_bwd"]] * (grid.pp > 1))
+    codecs = ["hint8" if k == "auto" else k for k in codecs]
     if use_cuda and any(taco_kernels.supports(taco.get_codec(k, c["codec_block"])) for k in codecs if k):
         taco_kernels.load()                                  # every rank; local rank 0 builds first
     comm = parallel.TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, fwd_codec=c["tp_codec"],
                            bwd_codec=c["tp_codec_bwd"] or c["tp_codec"], block_size=c["codec_block"],
                            chunks=c["taco_chunks"], min_bytes=c["taco_min_bytes"], sp=c["sequence_parallel"],
                            transport=c["tp_transport"])
+    auto = None
+    if "auto" in (c["tp_codec"], c["tp_codec_bwd"]):                  # timed on this group and link
+        import tp_auto
+        auto = tp_auto.choose(comm, c["batch_size"] * c["block_size"] * c["n_embd"], c["n_embd"], ptdtype, dev,
+                              c["tp_auto_bits"])
+        for d, k in (("fwd", "tp_codec"), ("bwd", "tp_codec_bwd")):
+            if c[k] not in ("", "auto"):                            # a direction given explicitly stays so
+                setattr(comm, f"{d}_codec", c[k])
     mcfg = GPTConfig(block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
                      dropout=c["dropout"], bias=c["bias"])
     model = GPT(mcfg, comm, seed=c["seed"], stage=grid.pp_rank, stages=grid.pp)
@@ -176,7 +186,8 @@ def setup(cfg, model_hook=None):
                         autocast=torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32),
                         batches=Batches(config.data_dir(c), c["block_size"], c["batch_size"], c["seed"], grid.dp_rank,
                                         dev, grid.dp),
-                        dp_stats=taco.CommStats(), pp_stats=taco.CommStats(), zero=None, dpsync=None, it0=0)
+                        dp_stats=taco.CommStats(), pp_stats=taco.CommStats(), zero=None, dpsync=None, it0=0,
+                        tp_auto=auto)
     build_optimizer(r)
     r.resumed_from = checkpoint.resume(r) if c["resume"] else None
     return r
@@ -329,7 +340,7 @@ def open_log(r):
             kept = [line for line in f if json.loads(line).get("iter", 0) <= r.it0]
     f = open(path, "w")
     f.writelines(kept)
-    f.write(json.dumps({"config": r.cfg, "resumed_from": r.resumed_from, "iter0": r.it0}) + "\n")
+    f.write(json.dumps({"config": r.cfg, "resumed_from": r.resumed_from, "iter0": r.it0, "tp_auto": r.tp_auto}) + "\n")
     return f
 
 
@@ -358,6 +369,8 @@ def train(r):
         print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {r.dev} | {r.dtype}")
         if r.resumed_from:
             print(f"resumed from {r.resumed_from} (iteration {r.it0})")
+        if r.tp_auto:
+            print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
         print(f"model: {r.model.num_params() / 1e6:.2f} M parameters (non-embedding), "
               f"{r.model.num_params(False) / 1e6:.2f} M in all")
     tokens = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] * grid.dp
