@@ -35,16 +35,20 @@ def decide(times, margin=MARGIN):
 
 
 def _seconds(fn, reps, sync):
-    fn()                                                    # warm-up: kernels, workspaces, NCCL channels
+    """The median of `reps` timed calls (each waited for), after a warm-up call (kernels, workspaces,
+    NCCL channels): robust to a slow outlier."""
+    fn()
     sync()
-    t0 = time.perf_counter()
+    times = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         fn()
-    sync()
-    return (time.perf_counter() - t0) / reps
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
-def measure(comm, numel, in_features, dtype, device, codecs, reps=5):
+def measure(comm, numel, in_features, dtype, device, codecs, reps=7):
     """{"fwd": {codec: s}, "bwd": {codec: s}} for an all-reduce of `numel` elements on comm's group
     (its transport and chunks), the largest over the group's ranks."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
