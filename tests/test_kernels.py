@@ -97,3 +97,21 @@ def test_roundtrip_on_gpu_matches_cpu():
         cd = taco.get_codec(name)
         x = inputs(100_003, torch.bfloat16, 5)
         assert same_values(cd.roundtrip(x.cuda()).cpu(), cd.roundtrip(x))
+
+
+if __name__ == "__main__":
+    # The kernel edit -> rerun loop without pytest's start-up: python -m tests.test_kernels [NAME ...]
+    # runs the parameterless tests whose names contain NAME (all of them without one).
+    import sys
+    import time
+    if not torch.cuda.is_available():
+        raise SystemExit("the kernel tests need a CUDA GPU")
+    t0 = time.time()
+    taco_kernels.load()
+    tests = [(n, f) for n, f in sorted(globals().items())
+             if n.startswith("test_") and callable(f) and f.__code__.co_argcount == 0]
+    for name, fn in tests:
+        if not sys.argv[1:] or any(a in name for a in sys.argv[1:]):
+            fn()
+            print(f"{name}: passed")
+    print(f"{time.time() - t0:.1f} s (build included)")
