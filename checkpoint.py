@@ -193,7 +193,6 @@ def model_config(cfg):
 @torch.no_grad()
 def shard_into(model, full):
     """Copy a full state dict into this rank's model (its stage's blocks, its TP slices)."""
-    c = model.config
     for name, param in model.named_parameters():
         g = name
         if name.startswith("h."):
@@ -203,7 +202,6 @@ def shard_into(model, full):
         prefix = name.rsplit(".", 1)[0]
         mod = model.get_submodule(prefix)
         param.copy_(mod.shard(src) if getattr(param, "tp_split", False) else src)
-    return c
 
 
 # -----------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def help_text(source):
 def known(key, defaults, where):
     if key not in defaults:
         near = difflib.get_close_matches(key, list(defaults), n=1)
-        hint = f"; did you mean {near[0]}?" if near else f"; python train.py --help lists them"
+        hint = f"; did you mean {near[0]}?" if near else "; python train.py --help lists them"
         raise ConfigError(f"{where}: unknown setting {key!r}{hint}")
 
 
