@@ -58,14 +58,20 @@ def _why_not(x, group, has_kernels):
         return f"more than {taco_kernels.MAX_PEERS} ranks"
     if env("LOCAL_WORLD_SIZE") is None:
         return "LOCAL_WORLD_SIZE is unset (torchrun sets it): cannot tell that the group is on one node"
-    node = lambda rank: rank // int(env("LOCAL_WORLD_SIZE"))    # torchrun numbers ranks node by node
-    if len({node(r) for r in dist.get_process_group_ranks(group or dist.group.WORLD)}) > 1:
+    if _nodes(group or dist.group.WORLD, int(env("LOCAL_WORLD_SIZE"))) > 1:
         return "the group spans more than one node"
     if not _peer_access_everywhere():
         return "no peer access between the GPUs"
     if env("NCCL_P2P_DISABLE", "0") not in ("", "0"):
         return "NCCL_P2P_DISABLE is set"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _nodes(group, per_node):
+    """How many nodes the group's ranks sit on (torchrun numbers ranks node by node); asked once
+    per group, not on every collective."""
+    return len({r // per_node for r in dist.get_process_group_ranks(group)})
 
 
 @functools.lru_cache(maxsize=None)

@@ -88,30 +88,32 @@ def large_corpus():
     return train, val
 
 
-def text_files(paths):
-    """Files, and the .txt files under folders (sorted), as (name, text) documents read one at a time."""
+def text_paths(paths):
+    """Files, and the .txt files under folders (sorted)."""
+    out = []
     for p in paths:
         found = sorted(glob.glob(os.path.join(p, "**", "*.txt"), recursive=True)) if os.path.isdir(p) else [p]
         if not found:
             raise SystemExit(f"{p}: no such file, or a folder without .txt files")
-        for f in found:
-            yield f, read(f)
+        out += found
+    return out
 
 
 def files_corpus(files, val_files, val_fraction):
-    """--files [--val_files]: without val_files every k-th document (k = 1/val_fraction) is held out;
-    a lone file is cut at a paragraph boundary and its last val_fraction held out."""
+    """--files [--val_files], as (name, text) documents read one at a time: without val_files every
+    k-th document (k = 1/val_fraction) is held out; a lone file is cut at a paragraph boundary and
+    its last val_fraction held out."""
+    docs = lambda paths: ((p, read(p)) for p in paths)
+    paths = text_paths(files)
     if val_files:
-        return text_files(files), text_files(val_files)
-    names = [n for n, _ in text_files(files)] if any(os.path.isdir(p) for p in files) else files
-    if len(names) == 1:
-        text = read(names[0])
+        return docs(paths), docs(text_paths(val_files))
+    if len(paths) == 1:
+        text = read(paths[0])
         cut = text.rfind("\n\n", 0, int(len(text) * (1 - val_fraction)))
         cut = cut if cut > 0 else int(len(text) * (1 - val_fraction))
-        return [(names[0], text[:cut])], [(names[0] + " (end)", text[cut:].strip())]
+        return [(paths[0], text[:cut])], [(paths[0] + " (end)", text[cut:].strip())]
     k = max(2, round(1 / val_fraction))
-    return ((n, t) for i, (n, t) in enumerate(text_files(names)) if i % k != k - 1), \
-           ((n, t) for i, (n, t) in enumerate(text_files(names)) if i % k == k - 1)
+    return docs(p for i, p in enumerate(paths) if i % k != k - 1), docs(p for i, p in enumerate(paths) if i % k == k - 1)
 
 
 def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc):
