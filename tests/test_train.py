@@ -87,6 +87,21 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--tp_transport=nvlink"], "tp_transport='nvlink': choose one of auto, dist, symm"),
     (["--tp_transport=symm", "--device=cpu"], "tp_transport='symm' needs GPUs"),
     (["--pp=2", "--schedule=zigzag"], "schedule='zigzag': choose one of 1f1b, gpipe"),
+    # every value outside its range
+    (["--dtype=float16"], "dtype='float16': choose one of auto, float32, bfloat16"),
+    (["--device=gpu"], "device='gpu': choose one of auto, cpu, cuda"),
+    (["--block_size=0"], "block_size=0 must be >= 1"),
+    (["--max_iters=-5"], "max_iters=-5 must be >= 1"),
+    (["--batch_size=-4"], "batch_size=-4 must be >= 1"),
+    (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be >= 1"),
+    (["--log_interval=0"], "log_interval=0 must be >= 1"),
+    (["--n_layer=0"], "n_layer=0 must be >= 1"),
+    (["--taco_chunks=0"], "taco_chunks=0 must be >= 1"),
+    (["--eval_iters=0"], "eval_iters=0 with eval_interval > 0"),
+    (["--codec_block=100"], "codec_block=100 must be a power of two"),
+    (["--tp_codec="], "tp_codec='' is not a codec"),
+    (["--dropout=1.5"], "dropout=1.5 must be in [0, 1)"),
+    (["--timeout=0"], "timeout=0 must be >= 1"),
 ])
 def test_bad_config_is_refused_before_launch(args, message):
     """train.py's own checks, in this process (what train.main runs before anything starts)."""
