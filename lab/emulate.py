@@ -9,6 +9,13 @@ partial sums of their forward output, and every such set is combined by emulated
 same shards, the same codes, the same fp32 rank-order sum as taco.all_reduce on t ranks.
 
     python -m lab.emulate 8 configs/study.py --tp_codec=hint8     # train.py with TP=8 emulated
+    python -m lab.emulate 8 --sites=mlp configs/study.py --tp_codec=hint8        # compress only the MLP's
+    python -m lab.emulate 8 --sites=attn=hint6,mlp,ends configs/study.py --tp_codec=hint8   # a codec per site
+
+Sites: `attn` (the attention block's all-reduces: its output projection's forward, its QKV
+input gradient), `mlp` (likewise for the MLP), `ends` (the token embedding's forward, the LM head's
+input gradient). Unlisted sites stay uncompressed; `site=codec` overrides the codec there (both
+directions, where the direction's own setting compresses at all).
 """
 import sys
 
@@ -37,17 +44,21 @@ def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
     x[:, :n] = torch.stack([p.reshape(-1) for p in partials])
     sent = cd.encode(x.view(-1), W * W, L).view(W, W, -1)              # [sender, shard, byte]
     # what rank k does with the W messages for shard k (rank order), then everyone's decode
-    mine = torch.stack([cd.reduce_encode(sent[:, k], L) for k in range(W)])
+    received = sent.transpose(0, 1).contiguous()                       # [shard, sender, byte]
+    mine = torch.stack([cd.reduce_encode(received[k], L) for k in range(W)])
     return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
 
-def column_rows(d_out, parts, t):
-    """The output rows each of t ranks owns in a column-parallel layer: every one of `parts`
-    equal sections (QKV: [Q|K|V]) cut into t pieces, rank r taking piece r of each."""
-    sec = d_out // parts
-    per = sec // t
-    return [torch.cat([torch.arange(p * sec + r * per, p * sec + (r + 1) * per) for p in range(parts)])
-            for r in range(t)]
+def rank_rows(a, dim, parts, t, r):
+    """Rank r's share of a column-parallel dimension of `a` (a weight's rows, a bias, an output's
+    last dimension): every one of `parts` equal sections (QKV: [Q|K|V]) cut into t pieces, piece r
+    of each, contiguous. Views and one copy: no index tensors (they would cross from the host)."""
+    return split(a, dim, parts, t).select(dim + 1, r).reshape(*a.shape[:dim], -1, *a.shape[dim + 1:])
+
+
+def split(a, dim, parts, t):
+    """`a` with dimension `dim` viewed as (parts, t, per): rank r's pieces are [..., :, r, :]."""
+    return a.view(*a.shape[:dim], parts, t, a.shape[dim] // (parts * t), *a.shape[dim + 1:])
 
 
 class _EmulatedG(torch.autograd.Function):
@@ -71,31 +82,33 @@ class _EmulatedF(torch.autograd.Function):
     t ranks form it (grad_y[..., rows_r] @ W[rows_r]) and combined like f's all-reduce."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, rows):
+    def forward(ctx, x, weight, bias, comm, parts, t):
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.has_bias, ctx.rows = comm, bias is not None, rows
-        outs = [F.linear(x, weight[r], None if bias is None else bias[r]) for r in rows]
+        ctx.comm, ctx.has_bias, ctx.parts, ctx.t = comm, bias is not None, parts, t
+        outs = [F.linear(x, rank_rows(weight, 0, parts, t, r), None if bias is None else rank_rows(bias, 0, parts, t, r))
+                for r in range(t)]
         y = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=outs[0].dtype)
-        for r, o in zip(rows, outs):
-            y[..., r] = o
+        pieces = split(y, y.dim() - 1, parts, t)
+        for r, o in enumerate(outs):
+            pieces.select(-2, r).copy_(o.view(*o.shape[:-1], parts, -1))
         return y
 
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
-        comm, wd = ctx.comm, w.to(gy.dtype)
-        gys = [gy[..., r].contiguous() for r in ctx.rows]
-        partials = [g @ wd[r] for g, r in zip(gys, ctx.rows)]
+        comm, wd, parts, t = ctx.comm, w.to(gy.dtype), ctx.parts, ctx.t
+        gys = [rank_rows(gy.contiguous(), gy.dim() - 1, parts, t, r).contiguous() for r in range(t)]
+        partials = [g @ rank_rows(wd, 0, parts, t, r).contiguous() for r, g in enumerate(gys)]
         gx = emulated_all_reduce(partials, codec=comm.codec_for(partials[0], "bwd"), block_size=comm.block_size)
         x2 = x.reshape(-1, x.shape[-1]).to(gy.dtype)
         gw = torch.empty_like(w)
         gb = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if ctx.has_bias else None
-        for g, r in zip(gys, ctx.rows):
+        for r, g in enumerate(gys):
             g2 = g.reshape(-1, g.shape[-1])
-            gw[r] = (g2.t() @ x2).to(w.dtype)
+            split(gw, 0, parts, t)[:, r] = (g2.t() @ x2).to(w.dtype).view(parts, -1, w.shape[1])
             if ctx.has_bias:
-                gb[r] = g2.sum(0).to(w.dtype)
-        return gx.to(x.dtype), gw, gb, None, None
+                split(gb, 0, parts, t)[:, r] = g2.sum(0).to(w.dtype).view(parts, -1)
+        return gx.to(x.dtype), gw, gb, None, None, None
 
 
 class EmulatedColumn(nn.Module):
@@ -103,11 +116,10 @@ class EmulatedColumn(nn.Module):
 
     def __init__(self, layer, comm, t):
         super().__init__()
-        self.weight, self.bias, self.comm = layer.weight, layer.bias, comm
-        self.rows = column_rows(layer.weight.shape[0], layer.parts, t)
+        self.weight, self.bias, self.comm, self.parts, self.t = layer.weight, layer.bias, comm, layer.parts, t
 
     def forward(self, x):
-        return _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.rows)
+        return _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
 
 
 class EmulatedRow(nn.Module):
@@ -138,17 +150,50 @@ class EmulatedEmbedding(nn.Module):
                                              for r, w in enumerate(shards)])
 
 
-def emulate_tp(model, t, comm):
+SITES = ("attn", "mlp", "ends")
+
+
+class SiteComm:
+    """The TPComm as one site sees it: `codec` replaces the codec it would choose ("none" turns the
+    site's compression off; the direction's own "none" and min_bytes still hold)."""
+
+    def __init__(self, comm, codec):
+        self.comm, self.codec, self.block_size = comm, codec, comm.block_size
+
+    def codec_for(self, x, direction):
+        chosen = self.comm.codec_for(x, direction)
+        return chosen if chosen == "none" else self.codec
+
+
+def parse_sites(spec):
+    """"attn=hint6,mlp" -> {"attn": "hint6", "mlp": None, "ends": "none"}: None keeps the run's codec."""
+    sites = dict.fromkeys(SITES, "none")
+    for item in filter(None, spec.split(",")):
+        site, _, codec = item.partition("=")
+        if site not in SITES:
+            raise SystemExit(f"--sites: unknown site {site!r} (sites: {', '.join(SITES)})")
+        sites[site] = codec or None
+    return sites
+
+
+def site_of(name):
+    """The site of a tensor-parallel layer from its module path (h.3.attn.qkv -> attn)."""
+    return next((s for s in ("attn", "mlp") if f".{s}." in f".{name}."), "ends")
+
+
+def emulate_tp(model, t, comm, sites=None):
     """Replace every tensor-parallel layer of a TP=1 model by its TP=t emulation, in place. comm
     (a parallel.TPComm of size 1) gives the codecs, block size and min_bytes of the emulated
-    all-reduces. The parameters stay the same objects (the tied head stays tied)."""
+    all-reduces; sites (from parse_sites; None: all compressed alike) narrows or changes the codec
+    per site. The parameters stay the same objects (the tied head stays tied)."""
     if comm.size != 1 or comm.sp:
         raise parallel.ConfigError("TP emulation runs on a TP=1 model without sequence parallelism")
     swap = {ColumnParallelLinear: EmulatedColumn, RowParallelLinear: EmulatedRow, VocabParallelEmbedding: EmulatedEmbedding}
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) in swap:
-                setattr(parent, name, swap[type(child)](child, comm, t))
+    for name, child in list(model.named_modules()):
+        if type(child) in swap:
+            codec = (sites or {}).get(site_of(name))
+            parent = model.get_submodule(name.rpartition(".")[0])
+            setattr(parent, name.rpartition(".")[2], swap[type(child)](child, comm if codec is None else SiteComm(comm, codec), t))
     return model
 
 
@@ -166,14 +211,17 @@ def check(cfg, t):
 
 def main(argv):
     if not argv or not argv[0].isdigit():
-        raise SystemExit("usage: python -m lab.emulate T [config.py] [--key=value ...]   (train.py, TP=T emulated)")
-    t = int(argv[0])
+        raise SystemExit("usage: python -m lab.emulate T [--sites=SPEC] [config.py] [--key=value ...]   "
+                         "(train.py, TP=T emulated)")
+    t, argv = int(argv[0]), argv[1:]
+    spec = argv.pop(0).split("=", 1)[1] if argv and argv[0].startswith("--sites=") else None
+    sites = parse_sites(spec) if spec is not None else None
 
     def hook(model, comm, cfg):
         check(cfg, t)
-        emulate_tp(model, t, comm)
-        print(f"TP={t} emulated in one process")
-    train.main(argv[1:], model_hook=hook)
+        emulate_tp(model, t, comm, sites)
+        print(f"TP={t} emulated in one process" + (f", sites {spec}" if sites else ""))
+    train.main(argv, model_hook=hook)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ import pytest
 import torch.distributed as dist
 
 import parallel
-from lab.emulate import emulate_tp
+from lab.emulate import SITES, emulate_tp, parse_sites, site_of
 from launcher import run_ranks
 from model import GPT
 from test_parallel import CFG, _shard_like, _train_steps
@@ -49,3 +49,25 @@ def test_uncompressed_emulation_equals_single_rank():
     comm = parallel.TPComm()
     emu = _train_steps(emulate_tp(GPT(CFG, comm, seed=3), 4, comm), steps=4)[0]
     assert emu == pytest.approx(ref, rel=1e-5)
+
+
+def test_sites_narrow_the_compression():
+    """--sites: listing every site changes nothing; compressing no site is the uncompressed run; one
+    site alone differs from both; the gradient effects of the sites add up roughly to the whole
+    (not exactly: the errors interact); `site=codec` is that codec at that site only."""
+    def grads(codec, sites):
+        comm = parallel.TPComm(fwd_codec=codec, bwd_codec=codec)
+        model = emulate_tp(GPT(CFG, comm, seed=3), 4, comm, None if sites is None else parse_sites(sites))
+        return _train_steps(model, steps=1)[1]
+
+    every, plain = grads("hint8", None), grads("none", None)
+    assert sq(grads("hint8", "attn,mlp,ends"), every) == 0
+    assert sq(grads("hint8", ""), plain) == 0
+    effect = {s: sq(grads("hint8", s), plain) for s in SITES}
+    assert all(e > 0 for e in effect.values()), effect
+    assert 0.5 < sum(effect.values()) / sq(every, plain) < 2, effect
+    assert sq(grads("hint8", "attn=hint6,mlp,ends"), grads("hint8", "attn,mlp,ends")) > 0
+    assert sq(grads("none", "attn=hint6"), plain) == 0           # off where the run does not compress
+    with pytest.raises(SystemExit, match="unknown site 'mpl'"):
+        parse_sites("mpl")
+    assert [site_of(n) for n in ("h.0.attn.qkv", "h.5.mlp.proj", "wte", "lm_head")] == ["attn", "mlp", "ends", "ends"]
