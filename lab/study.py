@@ -5,7 +5,7 @@ one GPU (lab/emulate.py), several seeds, paired against the uncompressed run of 
     python -m lab.study run table1:3,fig11:1 [--jobs=2] [-- train.py overrides]   # resumable runs
     python -m lab.study report            # the tables, from results/study.json
     python -m lab.study plot              # results/study.png
-    python -m lab.study tp-real 2 none,hint8 [--seeds=1] [-- train.py overrides]  # real TP next to emulated
+    python -m lab.study tp-real 2 none,hint8 [--seeds=1] [--config=configs/study_long.py]  # real TP next to emulated
 
 Every finished run is appended to results/study.json (key: codec, block, TP, seed, extra
 arguments); runs already there are skipped, so a study can span sessions.
@@ -21,25 +21,48 @@ import torch
 
 from bench import RESULTS, environment, save, split_at_dashes, table
 
-STUDY = {   # group: (emulated TP degree, [(codec, block size)]); "none" is the uncompressed baseline
-    "table1": (8, [("none", 256), ("taco", 256), ("tahquant", 256), ("hint8", 256)]),
-    "fig11": (4, [("none", 256), ("fp8", 256), ("ds", 256), ("ash", 256), ("taco", 256)]),
-    "fig13": (4, [("none", 256), ("hadamard", 256), ("taco", 256)]),
-    "fig14": (4, [("none", 256), ("taco", 256), ("taco-e5m2", 256), ("taco-int8", 256)]),
-    "table2": (4, [("none", 256)] + [("taco", b) for b in (32, 64, 128, 256, 512)]),
-    "ours": (8, [("none", 256), ("taco", 256), ("hint8", 256), ("hint6", 256)]),
+STUDY = {   # group: (emulated TP degree, [(codec, block size)], config); "none" is the uncompressed baseline
+    "table1": (8, [("none", 256), ("taco", 256), ("tahquant", 256), ("hint8", 256)], "configs/study.py"),
+    "fig11": (4, [("none", 256), ("fp8", 256), ("ds", 256), ("ash", 256), ("taco", 256)], "configs/study.py"),
+    "fig13": (4, [("none", 256), ("hadamard", 256), ("taco", 256)], "configs/study.py"),
+    "fig14": (4, [("none", 256), ("taco", 256), ("taco-e5m2", 256), ("taco-int8", 256)], "configs/study.py"),
+    "table2": (4, [("none", 256)] + [("taco", b) for b in (32, 64, 128, 256, 512)], "configs/study.py"),
+    "ours": (8, [("none", 256), ("taco", 256), ("hint8", 256), ("hint6", 256)], "configs/study.py"),
+    # trained ~5x longer, to validation loss ~4.4 (configs/study_long.py)
+    "long": (8, [("none", 256), ("hint8", 256), ("taco", 256), ("hint6", 256)], "configs/study_long.py"),
+    # where the error comes from: one codec on part of the all-reduces only (see variant_args)
+    "attrib": (8, [("none", 256)] + [(f"{c}@{part}", 256) for c in ("hint8", "taco")
+                                     for part in ("fwd", "bwd", "attn", "mlp")], "configs/study_long.py"),
 }
 STUDY_FILE = os.environ.get("NANOTACO_STUDY_FILE", os.path.join(RESULTS, "study.json"))
 
 def study_runs(groups):
-    """The distinct (codec, block, TP, seed) runs of groups {name: seeds}, seed 0 of every run first."""
+    """The distinct (codec, block, TP, seed, config) runs of groups {name: seeds}, seed 0 of every run first."""
     runs = []
     for seed in range(max(groups.values())):
         for group, seeds in groups.items():
-            t, cases = STUDY[group]
-            runs += [(codec, block, t, seed) for codec, block in cases
-                     if seed < seeds and (codec, block, t, seed) not in runs]
+            t, cases, config = STUDY[group]
+            runs += [(codec, block, t, seed, config) for codec, block in cases
+                     if seed < seeds and (codec, block, t, seed, config) not in runs]
     return runs
+
+
+def variant_args(label):
+    """A study label's arguments for lab.emulate: "hint8" compresses every TP all-reduce;
+    "hint8@fwd" / "hint8@bwd" only the forward / backward ones; "hint8@SITES" only those sites
+    (lab.emulate --sites, e.g. "hint8@mlp", "hint8@attn=hint6,mlp,ends")."""
+    codec, _, part = label.partition("@")
+    if part == "fwd":
+        return [f"--tp_codec={codec}", "--tp_codec_bwd=none"]
+    if part == "bwd":
+        return ["--tp_codec=none", f"--tp_codec_bwd={codec}"]
+    return ([f"--sites={part}"] if part else []) + [f"--tp_codec={codec}"]
+
+
+def study_key(codec, block, t, seed, config, extra):
+    """A run's key in the study file (runs of the first config have none of it in the key)."""
+    key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
+    return key if config == "configs/study.py" else f"{key}|{os.path.basename(config)}"
 
 def run_study(groups, extra, jobs=1):
     """Train one run per (codec, block, seed) of the groups with configs/study.py (lab.emulate: TP emulated),
@@ -55,23 +78,24 @@ def run_study(groups, extra, jobs=1):
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     gpus = gpus if torch.cuda.device_count() else []
     todo = []
-    for codec, block, t, seed in study_runs(groups):
-        key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
+    for codec, block, t, seed, config in study_runs(groups):
+        key = study_key(codec, block, t, seed, config, extra)
         if key not in done:
-            todo.append((key, codec, block, t, seed))
+            todo.append((key, codec, block, t, seed, config))
     print(f"study {','.join(groups)}: {len(todo)} runs to do, {jobs} at a time on "
           f"{len(gpus) or 'no'} GPU(s)", flush=True)
-    running = []
+    running, failed = [], []
 
-    def finish(key, codec, block, t, seed, out, proc, t0, log):
+    def finish(key, codec, block, t, seed, config, out, proc, t0, log):
         log.close()
         if proc.returncode != 0:
             tail = open(os.path.join(out, "stdout.txt")).read()[-2000:]
             print(f"FAILED ({proc.returncode}): {key}; {out}/stdout.txt ends:\n{tail}", flush=True)
+            failed.append(key)
             return
         rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
         evals = [r for r in rows if "val_loss" in r]
-        done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra,
+        done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra, "config": config,
                      "seconds": round(time.time() - t0, 1), "env": environment(),
                      "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
                      "val": [(r["iter"], r["val_loss"]) for r in evals],
@@ -85,15 +109,16 @@ def run_study(groups, extra, jobs=1):
         """Record finished runs as they finish (in any order) until fewer than `limit` run."""
         while len(running) >= limit:
             time.sleep(1)
-            for r in [r for r in running if r[6].poll() is not None]:
+            for r in [r for r in running if r[7].poll() is not None]:
                 running.remove(r)
                 finish(*r)
 
-    for i, (key, codec, block, t, seed) in enumerate(todo):
+    for i, (key, codec, block, t, seed, config) in enumerate(todo):
         reap(jobs)                                          # wait for a free slot
         out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
         os.makedirs(out, exist_ok=True)
-        cmd = [sys.executable, "-m", "lab.emulate", str(t), "configs/study.py", f"--tp_codec={codec}",
+        sites, args = [a for a in variant_args(codec) if a.startswith("--sites=")], variant_args(codec)
+        cmd = [sys.executable, "-m", "lab.emulate", str(t), *sites, config, *[a for a in args if a not in sites],
                f"--codec_block={block}", f"--seed={seed}", *extra, f"--out_dir={out}", "--overwrite"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if gpus:
@@ -101,12 +126,14 @@ def run_study(groups, extra, jobs=1):
         print(" ".join(cmd), flush=True)
         log = open(os.path.join(out, "stdout.txt"), "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        running.append((key, codec, block, t, seed, out, proc, time.time(), log))
+        running.append((key, codec, block, t, seed, config, out, proc, time.time(), log))
     reap(1)                                                 # the rest, in the order they finish
     for group in groups:
         study_report(group, extra)
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(todo)} study runs failed (their output: above)")
 
-def tp_real(tp, codecs, seeds, extra=()):
+def tp_real(tp, codecs, seeds, extra=(), config="configs/study.py"):
     """The study's TP runs trained for real (torchrun, `tp` ranks, one
     TP group) instead of emulated on one rank; final validation loss next to the emulated run of
     the same codec and seed from results/study.json (when no extra arguments change the run), and
@@ -121,7 +148,7 @@ def tp_real(tp, codecs, seeds, extra=()):
             out = os.path.join("out", f"tp{tp}_real", f"{codec}_seed{seed}")
             os.makedirs(out, exist_ok=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "train.py",
-                   "configs/study.py", f"--tp={tp}", f"--tp_codec={codec}", f"--seed={seed}", *extra,
+                   config, f"--tp={tp}", f"--tp_codec={codec}", f"--seed={seed}", *extra,
                    f"--out_dir={out}", "--overwrite"]
             print(" ".join(cmd), flush=True)
             p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -129,7 +156,7 @@ def tp_real(tp, codecs, seeds, extra=()):
                 print(f"{codec} seed {seed}: FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-2000:]}", flush=True)
                 continue
             evals = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r]
-            emu = None if extra else done.get(f"{codec}|B256|tp{tp}|seed{seed}|")
+            emu = None if extra else done.get(study_key(codec, 256, tp, seed, config, ()))
             rows.append({"codec": codec, "seed": seed, "real val": round(evals[-1]["val_loss"], 4),
                          "emulated val": round(emu["final_val"], 4) if emu else "-"})
     base = {(r["seed"], k): r[k] for r in rows if r["codec"] == "none" for k in ("real val", "emulated val")}
@@ -138,18 +165,19 @@ def tp_real(tp, codecs, seeds, extra=()):
             b = base.get((r["seed"], k))
             ok = isinstance(r[k], float) and isinstance(b, float)
             r[d] = f"{100 * (r[k] / b - 1):+.2f}%" if ok else "-"
-    save(f"tp{tp}_real", rows, extra=list(extra))
+    save(f"tp{tp}_real" + ("" if config == "configs/study.py" else "_" + os.path.basename(config)[:-3]),
+         rows, extra=list(extra), config=config)
     table(rows, ["codec", "seed", "real val", "emulated val", "real vs none", "emulated vs none"])
 
 def study_report(group, extra=()):
     """Final validation loss per codec: mean and spread over seeds, and the change vs the
     uncompressed baseline, both from the means and PAIRED (same seed: same initialisation and
     batches, so the seed-to-seed noise cancels; mean and range of the per-seed differences)."""
-    t, runs = STUDY[group]
-    done = json.load(open(STUDY_FILE))
+    t, runs, config = STUDY[group]
+    done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
     by = {}
     for r in done.values():
-        if r["tp"] == t and r["extra"] == list(extra):
+        if r["tp"] == t and r["extra"] == list(extra) and r.get("config", "configs/study.py") == config:
             by.setdefault((r["codec"], r["block"]), {})[r["seed"]] = r["final_val"]
     base = by.get(("none", 256), {})
     rows = []
@@ -168,22 +196,23 @@ def study_report(group, extra=()):
             row["paired"] = (f"{sum(paired) / len(paired):+.2f}% [{min(paired):+.2f}, {max(paired):+.2f}]"
                              if len(paired) > 1 else f"{paired[0]:+.2f}%")
         rows.append(row)
-    print(f"\nstudy {group} (TP={t} emulated), {os.path.relpath(STUDY_FILE)}:")
+    print(f"\nstudy {group} (TP={t} emulated, {config}), {os.path.relpath(STUDY_FILE)}:")
     table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none (means)", "paired"])
     return rows
 
-def plot_study(path=os.path.join(RESULTS, "study.png")):
-    """Left: every run's final validation loss minus the baseline's of the same seed and TP, per
-    codec (one dot per seed). Right: train-loss curves of the TP=8 runs, seed 0."""
+def plot_study(config="configs/study.py", path=os.path.join(RESULTS, "study.png")):
+    """The runs of one study config. Left: every run's final validation loss minus the baseline's
+    of the same seed and TP, per codec (one dot per seed). Right: train-loss curves of the TP=8 runs
+    minus the baseline's."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from lab.analysis import save_figure
-    done = json.load(open(STUDY_FILE))
+    done = {k: r for k, r in json.load(open(STUDY_FILE)).items() if r.get("config", "configs/study.py") == config}
     base = {(r["tp"], r["seed"]): r["final_val"] for r in done.values() if r["codec"] == "none"}
     labels = []
-    for group, (t, runs) in STUDY.items():
-        labels += [(t, c, b) for c, b in runs if c != "none" and (t, c, b) not in labels]
+    for group, (t, runs, cfg) in STUDY.items():
+        labels += [(t, c, b) for c, b in runs if c != "none" and (t, c, b) not in labels and cfg == config]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.4, 1]})
     ax = axes[0]
     for i, (t, c, b) in enumerate(labels):
@@ -218,11 +247,12 @@ def main(argv):
     r.add_argument("--seeds", type=int, default=3, help="seeds of a group given without :SEEDS")
     r.add_argument("--jobs", type=int, default=1, help="runs at a time (round-robin over the GPUs)")
     sub.add_parser("report", help="the study's tables from results/study.json")
-    sub.add_parser("plot", help="results/study.png")
+    sub.add_parser("plot", help="results/study.png (and study_long.png)")
     t = sub.add_parser("tp-real", help="the study's runs at real TP=T (torchrun), next to the emulated ones")
     t.add_argument("tp", type=int)
     t.add_argument("codecs")
     t.add_argument("--seeds", type=int, default=1)
+    t.add_argument("--config", default="configs/study.py", help="the study config (configs/study_long.py: the long runs)")
     a = ap.parse_args(argv)
     if a.what == "run":
         groups = {g.split(":")[0]: int(g.split(":")[1]) if ":" in g else a.seeds for g in a.groups.split(",")}
@@ -235,8 +265,10 @@ def main(argv):
             study_report(group)
     elif a.what == "plot":
         plot_study()
+        if any(r.get("config") == "configs/study_long.py" for r in json.load(open(STUDY_FILE)).values()):
+            plot_study("configs/study_long.py", os.path.join(RESULTS, "study_long.png"))
     else:
-        tp_real(a.tp, a.codecs.split(","), a.seeds, train_args)
+        tp_real(a.tp, a.codecs.split(","), a.seeds, train_args, a.config)
 
 
 if __name__ == "__main__":

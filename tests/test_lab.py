@@ -96,6 +96,28 @@ def test_study_runner_is_cumulative(tmp_path):
     assert "lab.emulate" not in second.stdout and "vs none" in second.stdout
 
 
+def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
+    """lab.study's attribution labels: "codec@fwd|bwd|SITES" become lab.emulate's arguments, and
+    runs of a group with another config are keyed apart from the first study's."""
+    from lab.study import STUDY, study_key, variant_args
+    assert variant_args("hint8") == ["--tp_codec=hint8"]
+    assert variant_args("hint8@fwd") == ["--tp_codec=hint8", "--tp_codec_bwd=none"]
+    assert variant_args("taco@bwd") == ["--tp_codec=none", "--tp_codec_bwd=taco"]
+    assert variant_args("hint8@attn=hint6,mlp") == ["--sites=attn=hint6,mlp", "--tp_codec=hint8"]
+    assert study_key("none", 256, 8, 0, "configs/study.py", ()) == "none|B256|tp8|seed0|"
+    assert study_key("none", 256, 8, 0, "configs/study_long.py", ()) == "none|B256|tp8|seed0||study_long.py"
+    assert all(os.path.exists(os.path.join(ROOT, cfg)) for _, _, cfg in STUDY.values())
+    tiny = ["--dataset=small", "--max_iters=2", "--n_layer=1", "--n_head=8", "--n_embd=64", "--block_size=32",
+            "--batch_size=2", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2",
+            f"--out_dir={tmp_path}/runs"]
+    out = sh(["-m", "lab.study", "run", "attrib", "--seeds=1", "--", *tiny], NANOTACO_STUDY_FILE=str(tmp_path / "s.json"))
+    runs = json.load(open(tmp_path / "s.json"))
+    assert len(runs) == 9 and all(r["config"] == "configs/study_long.py" for r in runs.values())
+    assert "--sites=mlp configs/study_long.py --tp_codec=taco" in out.stdout
+    final = {r["codec"]: r["final_val"] for r in runs.values()}
+    assert final["hint8@fwd"] != final["hint8@bwd"] != final["none"]
+
+
 def test_emulation_refuses_what_it_cannot_emulate():
     p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--taco_chunks=2", *TINY], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=600)
