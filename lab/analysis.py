@@ -3,14 +3,12 @@ Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said 
 
     python -m lab.analysis codecs                 # every codec's error on real TP all-reduce inputs (results/codecs.json)
     python -m lab.analysis histograms             # the paper's Figs. 4/8 on our TP tensors (results/histograms.png)
-    python -m lab.analysis costmodel              # predicted vs measured step time (results/costmodel.json)
     python -m lab.analysis trace-report STEPS TRACE...   # where a step's GPU time goes (train.py --profile_steps)
     python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
 """
 import argparse
 import gzip
 import json
-import math
 import os
 import sys
 
@@ -216,51 +214,6 @@ def trace_report(path, steps):
 
 
 
-def interp_us(rows, variant, mb, transport="dist"):
-    """All-reduce time (us) of `variant` (chunks=1, on `transport`) at `mb` MiB: log-log
-    interpolation between the two measured sizes around it (results/collective_*.json)."""
-    pts = sorted((r["MB"], float(r["us"])) for r in rows
-                 if r["variant"] == variant and r["chunks"] == 1 and r.get("transport", "dist") == transport)
-    (m0, t0), (m1, t1) = next(((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= mb <= b[0]), pts[-2:])
-    return t0 * (t1 / t0) ** (math.log(mb / m0) / math.log(m1 / m0))
-
-
-def costmodel():
-    """Predicted step time with a codec = measured uncompressed step - n x t_nccl(size) +
-    n x t_codec(size), with n TP all-reduces per step of `size` MiB and the all-reduce times
-    interpolated from the collective benchmark (results/collective_<link>.json), against the
-    measured step (results/e2e_gpt1b_<link>.json, bench.py e2e). gpt1b (configs/gpt1b.py, compiled):
-    82 all-reduces (4 x 20 blocks + embedding + head) of 8 x 2048 x 2048 bf16 = 64 MiB."""
-    rows, model, n_ar, mb = [], "gpt1b", 82, 64
-    for link in ("nvlink", "p2p_disabled"):
-        path = os.path.join(RESULTS, f"e2e_gpt1b_{link}.json")
-        if not os.path.exists(path):
-            continue
-        steps = {}                                   # (codec, transport) -> measured ms/step
-        for r in json.load(open(path))["rows"]:
-            codec, transport = r["codec"], "dist" if link == "p2p_disabled" else "symm"   # auto's choice
-            if "tp_transport=" in codec:
-                codec, transport = codec.split("/")[0].split("=")[1], codec.split("tp_transport=")[1]
-            if r.get("ms/step") and transport in ("dist", "symm"):
-                steps[(codec, "dist" if codec == "none" else transport)] = r["ms/step"]
-        base = steps.get(("none", "dist"))
-        coll = json.load(open(os.path.join(RESULTS, f"collective_{link}.json")))["rows"]
-        t_nccl = interp_us(coll, "nccl bf16", mb)
-        for (codec, transport), meas in sorted(steps.items()):
-            if codec == "none" or base is None:
-                continue
-            t = interp_us(coll, codec, mb, transport)
-            pred = base - n_ar * t_nccl / 1e3 + n_ar * t / 1e3
-            rows.append({"model": model, "link": link, "codec": codec, "transport": transport,
-                         "TP share (none)": f"{100 * n_ar * t_nccl / 1e3 / base:.0f}%",
-                         "t_nccl us": round(t_nccl), "t_codec us": round(t), "none ms": base,
-                         "predicted ms": round(pred, 1), "predicted speedup": f"{base / pred:.2f}x",
-                         "measured ms": meas, "measured speedup": f"{base / meas:.2f}x"})
-    save("costmodel", rows, note=costmodel.__doc__)
-    table(rows, ["model", "link", "codec", "transport", "TP share (none)", "t_nccl us", "t_codec us", "none ms",
-                 "predicted ms", "predicted speedup", "measured ms", "measured speedup"])
-
-
 def curves(paths, out=os.path.join(RESULTS, "loss_curves.png")):
     """Training loss and tokens/s against step of any set of runs (their out_dir/log.jsonl)."""
     import matplotlib
@@ -293,7 +246,6 @@ def main(argv):
     sub = ap.add_subparsers(dest="what", required=True)
     sub.add_parser("codecs", help="every codec's error on the demo model's TP=4 all-reduce inputs")
     sub.add_parser("histograms", help="what the all-reduces carry, raw / Hadamard / ASH")
-    sub.add_parser("costmodel", help="predicted vs measured step time from the recorded GPU results")
     t = sub.add_parser("trace-report", help="per kernel kind: GPU time beside compute vs exposed")
     t.add_argument("steps", type=int, help="how many steps the traces hold (train.py --profile_steps)")
     t.add_argument("traces", nargs="+")
@@ -305,8 +257,6 @@ def main(argv):
         codec_errors()
     elif a.what == "histograms":
         histograms()
-    elif a.what == "costmodel":
-        costmodel()
     elif a.what == "trace-report":
         for path in a.traces:
             rows, calls = trace_report(path, a.steps)

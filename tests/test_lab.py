@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lab import analysis
+from lab import analysis, costmodel
 from test_train import ROOT, TINY
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -24,21 +24,34 @@ def sh(cmd, **env):
 def test_interp_us_is_log_log_and_per_transport():
     rows = [{"MB": mb, "variant": "hint8", "chunks": 1, "transport": tr, "us": str(us)}
             for tr, scale in (("dist", 100), ("symm", 50)) for mb, us in ((1, scale), (4, 4 * scale), (16, 8 * scale))]
-    assert analysis.interp_us(rows, "hint8", 2) == pytest.approx(200)          # t ~ MB between 1 and 4
-    assert analysis.interp_us(rows, "hint8", 2, "symm") == pytest.approx(100)
-    assert analysis.interp_us(rows, "hint8", 8) == pytest.approx(400 * 2 ** 0.5)   # t ~ sqrt(MB) between 4 and 16
+    assert costmodel.interp_us(rows, "hint8", 2) == pytest.approx(200)          # t ~ MB between 1 and 4
+    assert costmodel.interp_us(rows, "hint8", 2, "symm") == pytest.approx(100)
+    assert costmodel.interp_us(rows, "hint8", 8) == pytest.approx(400 * 2 ** 0.5)   # t ~ sqrt(MB) between 4 and 16
 
 
 def test_costmodel_from_the_committed_gpu_results(tmp_path):
-    for f in ("collective_nvlink.json", "collective_p2p_disabled.json", "e2e_gpt1b_nvlink.json",
-              "e2e_gpt1b_p2p_disabled.json"):
-        shutil.copy(os.path.join(ROOT, "results", f), tmp_path)
-    sh(["-m", "lab.analysis", "costmodel"], NANOTACO_RESULTS=str(tmp_path))
-    rows = json.load(open(tmp_path / "costmodel.json"))["rows"]
-    assert {(r["link"], r["codec"], r["transport"]) for r in rows} >= {("nvlink", "hint8", "symm"),
-                                                                      ("p2p_disabled", "hint8", "dist")}
-    for r in rows:                       # predicted = none - n t_nccl + n t_codec, as the docstring says
-        assert r["predicted ms"] == pytest.approx(r["none ms"] + 82 * (r["t_codec us"] - r["t_nccl us"]) / 1e3, abs=0.2)
+    """lab.costmodel on the recorded 2-GPU results: the rows that fit gamma come out exact, the
+    W=2 fits go through their two measured points, W scales the bytes by 2(W-1)/W, and each
+    prediction's range holds its central value."""
+    for f in os.listdir(os.path.join(ROOT, "results")):
+        if f.startswith(("collective_", "e2e_gpt1b", "kernels.json")):
+            shutil.copy(os.path.join(ROOT, "results", f), tmp_path)
+    sh(["-m", "lab.costmodel"], NANOTACO_RESULTS=str(tmp_path))
+    out = json.load(open(tmp_path / "costmodel.json"))
+    fits = [r for r in out["checks"] if r["role"] != "check"]
+    assert len(fits) == 2 and all(r["error"] in ("+0.0%", "-0.0%") for r in fits)
+    assert len([r for r in out["checks"] if r["role"] == "check"]) >= 6
+    coll = json.load(open(tmp_path / "collective_p2p_disabled.json"))["rows"]
+    fit = costmodel.fit_link(coll, "nccl bf16", "dist")
+    for mb in (64, 256):
+        assert costmodel.t_at(fit, mb, 2, 1.0) == pytest.approx(costmodel.interp_us(coll, "nccl bf16", mb))
+    a = fit[0]
+    assert costmodel.t_at(fit, 64, 8, 1.0) - a == pytest.approx((costmodel.t_at(fit, 64, 2, 1.0) - a) * 7 / 4)
+    assert {(r["TP"], r["link"]) for r in out["rows"]} == {(4, "nvlink"), (8, "nvlink"), (4, "p2p_disabled"),
+                                                          (8, "p2p_disabled")}
+    for r in out["rows"]:
+        lo, hi = (float(x) for x in r["range"].rstrip("x").split("-"))
+        assert lo <= float(r["speedup"].rstrip("x")) <= hi
 
 
 def timeline(tmp_path):
