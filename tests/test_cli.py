@@ -218,3 +218,34 @@ def test_two_node_launch_tp_inside_pp_across(tmp_path):
     assert "grid: world 4 = dp 1 x pp 2 x tp 2" in outs[0]
     losses = [r["loss"] for r in map(json.loads, open(tmp_path / "log.jsonl")) if "loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_kernel_watch_loop_reruns_in_a_fresh_child_at_every_save(tmp_path):
+    """python -m tests.test_kernels --watch: a round at once, another after each save of a source,
+    each in a forked child (what a round does stays out of the watching process), a failure
+    reported and the loop going on."""
+    import threading
+    import time
+    from test_kernels import watch
+    src, log = tmp_path / "k.cu", tmp_path / "rounds.txt"
+    src.write_text("v0")
+    state = {"in_parent": 0}
+
+    def run(names):
+        state["in_parent"] += 1                        # lands in the child's copy only
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {src.read_text()} {names}\n")
+        return 0 if src.read_text() != "v1" else 2     # the edit "v1" breaks a test
+
+    def edit():
+        for v in ("v1", "v2"):
+            time.sleep(1.0)
+            src.write_text(v)
+            os.utime(src, ns=(time.time_ns(), time.time_ns() + 10 ** 9 * int(v[1])))   # a new mtime each save
+    t = threading.Thread(target=edit)
+    t.start()
+    watch(["strided"], run=run, sources=[str(src)], poll=0.02, rounds=3)
+    t.join()
+    rounds = [line.split() for line in log.read_text().splitlines()]
+    assert [r[1] for r in rounds] == ["v0", "v1", "v2"] and all(r[2] == "['strided']" for r in rounds)
+    assert len({r[0] for r in rounds} | {str(os.getpid())}) == 4 and state["in_parent"] == 0

@@ -3,6 +3,12 @@
 The reference is run twice: on the CPU, and on the GPU (torch's own CUDA ops); the kernel must give
 the same bytes as both. Decoded values are compared bitwise too (NaN positions must match; NaN
 payload bits are not compared)."""
+import os
+import time
+
+if __name__ == "__main__":          # --watch forks CUDA-free: ask NVML, not the CUDA driver, whether a GPU is there
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import pytest
 import torch
 
@@ -99,19 +105,66 @@ def test_roundtrip_on_gpu_matches_cpu():
         assert same_values(cd.roundtrip(x.cuda()).cpu(), cd.roundtrip(x))
 
 
-if __name__ == "__main__":
-    # The kernel edit -> rerun loop without pytest's start-up: python -m tests.test_kernels [NAME ...]
-    # runs the parameterless tests whose names contain NAME (all of them without one).
-    import sys
-    import time
-    if not torch.cuda.is_available():
-        raise SystemExit("the kernel tests need a CUDA GPU")
-    t0 = time.time()
+KERNEL_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(taco_kernels.__file__)), f)
+                  for f in ("taco_kernels.cu", "taco_kernels.h", "taco_binding.cpp")]
+
+
+def run_selected(names):
+    """Build/load the extension, then run the parameterless tests whose names contain one of
+    `names` (every one without names). Returns the number that failed."""
     taco_kernels.load()
-    tests = [(n, f) for n, f in sorted(globals().items())
-             if n.startswith("test_") and callable(f) and f.__code__.co_argcount == 0]
-    for name, fn in tests:
-        if not sys.argv[1:] or any(a in name for a in sys.argv[1:]):
-            fn()
-            print(f"{name}: passed")
-    print(f"{time.time() - t0:.1f} s (build included)")
+    failed = 0
+    for name, fn in sorted(globals().items()):
+        if name.startswith("test_") and callable(fn) and fn.__code__.co_argcount == 0 \
+                and (not names or any(n in name for n in names)):
+            try:
+                fn()
+                print(f"{name}: passed", flush=True)
+            except Exception as e:                              # report and go on with the others
+                failed += 1
+                print(f"{name}: FAILED: {type(e).__name__}: {e}", flush=True)
+    return failed
+
+
+def watch(names, run=run_selected, sources=KERNEL_SOURCES, poll=0.1, rounds=None):
+    """The edit -> rerun loop with the interpreter kept warm: this process imports torch once and
+    never touches the GPU; every round forks a child that builds (ninja recompiles what changed),
+    loads the extension, runs the tests on a fresh CUDA context and exits. A round starts at once,
+    then whenever a source's modification time changes. Prints the time from the edit to the
+    result. `rounds`: stop after that many (tests)."""
+    stamp = lambda: [os.stat(f).st_mtime_ns for f in sources]
+    seen, done = stamp(), 0
+    while rounds is None or done < rounds:
+        t0 = time.time()
+        pid = os.fork()
+        if pid == 0:                                            # the child: build, load, test
+            code = 1
+            try:
+                code = min(run(names), 1)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        ok = os.WEXITSTATUS(status) == 0 if os.WIFEXITED(status) else False
+        print(f"--- {'passed' if ok else 'FAILED'} in {time.time() - t0:.1f} s from the edit; "
+              f"waiting for the next save of {', '.join(os.path.basename(f) for f in sources)}", flush=True)
+        done += 1
+        while (rounds is None or done < rounds) and stamp() == seen:
+            time.sleep(poll)
+        seen = stamp()
+
+
+if __name__ == "__main__":
+    # The kernel edit -> rerun loop without pytest's start-up:
+    #   python -m tests.test_kernels [NAME ...]           run the parameterless tests whose names contain NAME
+    #   python -m tests.test_kernels --watch [NAME ...]   the same again at every save of the kernel sources
+    import sys
+    args = sys.argv[1:]
+    if "--watch" in args:
+        watch([a for a in args if a != "--watch"])
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("the kernel tests need a CUDA GPU")
+        t0 = time.time()
+        failed = run_selected(args)
+        print(f"{time.time() - t0:.1f} s (build included)")
+        raise SystemExit(1 if failed else 0)
