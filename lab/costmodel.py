@@ -130,7 +130,8 @@ def check_and_calibrate():
             for r in runs:
                 if r["codec"] == "none" or not r.get("ms/step"):
                     continue
-                settings = dict(kv.split("=") for kv in r["codec"].split("/")) if "=" in r["codec"] else {"tp_codec": r["codec"]}
+                settings = (dict(kv.split("=") for kv in r["codec"].split("/")) if "=" in r["codec"]
+                            else {"tp_codec": r["codec"]})              # "hint8" or "tp_codec=hint8/taco_chunks=2"
                 codec, chunks = settings.get("tp_codec"), int(settings.get("taco_chunks", 1))
                 measured = {(c["variant"], c["transport"], c["chunks"]) for c in coll}
                 if set(settings) - {"tp_codec", "taco_chunks"} or (codec, TRANSPORT[link], chunks) not in measured:

@@ -85,8 +85,8 @@ class _EmulatedF(torch.autograd.Function):
     def forward(ctx, x, weight, bias, comm, parts, t):
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.has_bias, ctx.parts, ctx.t = comm, bias is not None, parts, t
-        outs = [F.linear(x, rank_rows(weight, 0, parts, t, r), None if bias is None else rank_rows(bias, 0, parts, t, r))
-                for r in range(t)]
+        piece = lambda a, r: None if a is None else rank_rows(a, 0, parts, t, r)
+        outs = [F.linear(x, piece(weight, r), piece(bias, r)) for r in range(t)]
         y = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=outs[0].dtype)
         pieces = split(y, y.dim() - 1, parts, t)
         for r, o in enumerate(outs):
@@ -96,8 +96,8 @@ class _EmulatedF(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
-        comm, wd, parts, t = ctx.comm, w.to(gy.dtype), ctx.parts, ctx.t
-        gys = [rank_rows(gy.contiguous(), gy.dim() - 1, parts, t, r).contiguous() for r in range(t)]
+        comm, wd, parts, t, gy = ctx.comm, w.to(gy.dtype), ctx.parts, ctx.t, gy.contiguous()
+        gys = [rank_rows(gy, gy.dim() - 1, parts, t, r).contiguous() for r in range(t)]
         partials = [g @ rank_rows(wd, 0, parts, t, r).contiguous() for r, g in enumerate(gys)]
         gx = emulated_all_reduce(partials, codec=comm.codec_for(partials[0], "bwd"), block_size=comm.block_size)
         x2 = x.reshape(-1, x.shape[-1]).to(gy.dtype)
@@ -192,8 +192,9 @@ def emulate_tp(model, t, comm, sites=None):
     for name, child in list(model.named_modules()):
         if type(child) in swap:
             codec = (sites or {}).get(site_of(name))
-            parent = model.get_submodule(name.rpartition(".")[0])
-            setattr(parent, name.rpartition(".")[2], swap[type(child)](child, comm if codec is None else SiteComm(comm, codec), t))
+            parent, _, attr = name.rpartition(".")
+            site_comm = comm if codec is None else SiteComm(comm, codec)
+            setattr(model.get_submodule(parent), attr, swap[type(child)](child, site_comm, t))
     return model
 
 

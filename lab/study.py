@@ -65,7 +65,7 @@ def study_key(codec, block, t, seed, config, extra):
     return key if config == "configs/study.py" else f"{key}|{os.path.basename(config)}"
 
 def run_study(groups, extra, jobs=1):
-    """Train one run per (codec, block, seed) of the groups with configs/study.py (lab.emulate: TP emulated),
+    """Train one run per (codec, block, seed) of the groups with their config (lab.emulate: TP emulated),
     `jobs` at a time (round-robin over the visible GPUs: the study's model is small, so several
     runs share a GPU well), appending each finished run's loss curve and final losses to
     results/study.json. Runs already in the file (same key, same extra arguments) are skipped, so
