@@ -11,6 +11,7 @@ same shards, the same codes, the same fp32 rank-order sum as taco.all_reduce on 
     python -m lab.emulate 8 configs/study.py --tp_codec=hint8     # train.py with TP=8 emulated
     python -m lab.emulate 8 --sites=mlp configs/study.py --tp_codec=hint8        # compress only the MLP's
     python -m lab.emulate 8 --sites=attn=hint6,mlp,ends configs/study.py --tp_codec=hint8   # a codec per site
+    python -m lab.emulate 8 --graph configs/study_long.py --tp_codec=hint8       # steps replayed as CUDA graphs
 
 Sites: `attn` (the attention block's all-reduces: its output projection's forward, its QKV
 input gradient), `mlp` (likewise for the MLP), `ends` (the token embedding's forward, the LM head's
@@ -198,6 +199,38 @@ def emulate_tp(model, t, comm, sites=None):
     return model
 
 
+class _LossOnly(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx, targets):
+        return self.model(idx, targets)[1]
+
+
+def capture(model, cfg):
+    """--graph: the emulated model's training forward and backward captured once as CUDA graphs
+    (torch.cuda.make_graphed_callables) and replayed every micro-batch: the same kernels without the
+    thousands of Python-issued launches an emulated step makes. Evaluation (no grad, eval mode) and
+    other shapes run eagerly. One micro-batch per step only: the replayed backward writes its
+    gradients into the same buffers every time, which a second micro-batch would overwrite."""
+    if cfg["gradient_accumulation_steps"] != 1 or not next(model.parameters()).is_cuda:
+        raise SystemExit("config error: --graph needs a CUDA GPU and gradient_accumulation_steps=1")
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["dtype"]]
+    dev = next(model.parameters()).device
+    idx = torch.zeros(cfg["batch_size"], cfg["block_size"], dtype=torch.long, device=dev)
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
+        graphed = torch.cuda.make_graphed_callables(_LossOnly(model), (idx, idx.clone()))
+    eager = model.forward
+
+    def forward(idx, targets=None, hidden=None):
+        if model.training and torch.is_grad_enabled() and targets is not None and idx.shape == targets.shape \
+                and tuple(idx.shape) == (cfg["batch_size"], cfg["block_size"]):
+            return None, graphed(idx, targets)
+        return eager(idx, targets, hidden)
+    model.forward = forward
+
+
 def check(cfg, t):
     """The emulation's own launch checks (config.check does the rest)."""
     if cfg["tp"] != 1 or cfg["pp"] != 1 or cfg["taco_chunks"] != 1 or cfg["sequence_parallel"]:
@@ -212,16 +245,20 @@ def check(cfg, t):
 
 def main(argv):
     if not argv or not argv[0].isdigit():
-        raise SystemExit("usage: python -m lab.emulate T [--sites=SPEC] [config.py] [--key=value ...]   "
+        raise SystemExit("usage: python -m lab.emulate T [--sites=SPEC] [--graph] [config.py] [--key=value ...]   "
                          "(train.py, TP=T emulated)")
-    t, argv = int(argv[0]), argv[1:]
-    spec = argv.pop(0).split("=", 1)[1] if argv and argv[0].startswith("--sites=") else None
+    t, argv, spec, graph = int(argv[0]), argv[1:], None, False
+    while argv and (argv[0].startswith("--sites=") or argv[0] == "--graph"):     # the emulation's own options
+        arg = argv.pop(0)
+        spec, graph = (arg.split("=", 1)[1], graph) if arg.startswith("--sites=") else (spec, True)
     sites = parse_sites(spec) if spec is not None else None
 
     def hook(model, comm, cfg):
         check(cfg, t)
         emulate_tp(model, t, comm, sites)
-        print(f"TP={t} emulated in one process" + (f", sites {spec}" if sites else ""))
+        if graph:
+            capture(model, cfg)
+        print(f"TP={t} emulated in one process" + (f", sites {spec}" if sites else "") + (", CUDA graphs" if graph else ""))
     train.main(argv, model_hook=hook)
 
 

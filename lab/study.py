@@ -64,7 +64,7 @@ def study_key(codec, block, t, seed, config, extra):
     key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
     return key if config == "configs/study.py" else f"{key}|{os.path.basename(config)}"
 
-def run_study(groups, extra, jobs=1):
+def run_study(groups, extra, jobs=1, graph=False):
     """Train one run per (codec, block, seed) of the groups with their config (lab.emulate: TP emulated),
     `jobs` at a time (round-robin over the visible GPUs: the study's model is small, so several
     runs share a GPU well), appending each finished run's loss curve and final losses to
@@ -118,7 +118,8 @@ def run_study(groups, extra, jobs=1):
         out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
         os.makedirs(out, exist_ok=True)
         sites, args = [a for a in variant_args(codec) if a.startswith("--sites=")], variant_args(codec)
-        cmd = [sys.executable, "-m", "lab.emulate", str(t), *sites, config, *[a for a in args if a not in sites],
+        cmd = [sys.executable, "-m", "lab.emulate", str(t), *sites, *["--graph"] * graph, config,
+               *[a for a in args if a not in sites],
                f"--codec_block={block}", f"--seed={seed}", *extra, f"--out_dir={out}", "--overwrite"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if gpus:
@@ -249,6 +250,8 @@ def main(argv):
     r.add_argument("groups")
     r.add_argument("--seeds", type=int, default=3, help="seeds of a group given without :SEEDS")
     r.add_argument("--jobs", type=int, default=1, help="runs at a time (round-robin over the GPUs)")
+    r.add_argument("--graph", action="store_true", help="lab.emulate --graph: steps replayed as CUDA graphs "
+                   "(not part of a run's key: it must give the eager run's numbers)")
     sub.add_parser("report", help="the study's tables from results/study.json")
     sub.add_parser("plot", help="results/study.png (and study_long.png)")
     t = sub.add_parser("tp-real", help="the study's runs at real TP=T (torchrun), next to the emulated ones")
@@ -262,7 +265,7 @@ def main(argv):
         unknown = [g for g in groups if g not in STUDY]
         if unknown:
             raise SystemExit(f"unknown study group {unknown[0]!r}: {', '.join(STUDY)}")
-        run_study(groups, train_args, a.jobs)
+        run_study(groups, train_args, a.jobs, a.graph)
     elif a.what == "report":
         for group in STUDY:
             study_report(group)

@@ -135,6 +135,9 @@ def test_emulation_refuses_what_it_cannot_emulate():
     p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--taco_chunks=2", *TINY], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0 and "tp=1, pp=1, taco_chunks=1" in p.stdout + p.stderr
+    p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--graph", *TINY], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0 and "--graph needs a CUDA GPU" in p.stdout + p.stderr
 
 
 def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
