@@ -30,6 +30,8 @@ STUDY = {   # group: (emulated TP degree, [(codec, block size)], config); "none"
     "ours": (8, [("none", 256), ("taco", 256), ("hint8", 256), ("hint6", 256)], "configs/study.py"),
     # trained ~5x longer, to validation loss ~4.4 (configs/study_long.py)
     "long": (8, [("none", 256), ("hint8", 256), ("taco", 256), ("hint6", 256)], "configs/study_long.py"),
+    # TP=2 emulated, to stand beside real TP=2 runs (python -m lab.study tp-real 2 none,hint8 --config=...)
+    "tp2": (2, [("none", 256), ("hint8", 256)], "configs/study_long.py"),
     # where the error comes from: one codec on part of the all-reduces only (see variant_args)
     "attrib": (8, [("none", 256)] + [(f"{c}@{part}", 256) for c in ("hint8", "taco")
                                      for part in ("fwd", "bwd", "attn", "mlp")], "configs/study_long.py"),
