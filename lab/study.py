@@ -172,6 +172,18 @@ def tp_real(tp, codecs, seeds, extra=(), config="configs/study.py"):
          rows, extra=list(extra), config=config)
     table(rows, ["codec", "seed", "real val", "emulated val", "real vs none", "emulated vs none"])
 
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def confidence_interval(xs):
+    """95% confidence interval of the mean of xs (Student's t, len(xs) - 1 degrees of freedom)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    sd = (sum((x - mean) ** 2 for x in xs) / (n - 1)) ** 0.5
+    half = T975.get(n - 1, 1.96) * sd / n ** 0.5
+    return mean - half, mean + half
+
+
 def study_report(group, extra=()):
     """Final validation loss per codec: mean and spread over seeds, and the change vs the
     uncompressed baseline, both from the means and PAIRED (same seed: same initialisation and
@@ -194,13 +206,16 @@ def study_report(group, extra=()):
                "seed spread": f"{max(vals) - min(vals):.4f}" if len(vals) > 1 else "-",
                "vs none (means)": f"{100 * (mean / (sum(base.values()) / len(base)) - 1):+.2f}%" if base else "-"}
         paired = [100 * (v[s] / base[s] - 1) for s in v if s in base]
-        row["paired"] = "-"
+        row["paired"] = row["paired 95% CI"] = "-"
         if paired and codec != "none":
             row["paired"] = (f"{sum(paired) / len(paired):+.2f}% [{min(paired):+.2f}, {max(paired):+.2f}]"
                              if len(paired) > 1 else f"{paired[0]:+.2f}%")
+            if len(paired) > 1:
+                lo, hi = confidence_interval(paired)
+                row["paired 95% CI"] = f"[{lo:+.2f}, {hi:+.2f}]%"
         rows.append(row)
     print(f"\nstudy {group} (TP={t} emulated, {config}), {os.path.relpath(STUDY_FILE)}:")
-    table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none (means)", "paired"])
+    table(rows, ["codec", "B", "seeds", "val loss", "seed spread", "vs none (means)", "paired", "paired 95% CI"])
     return rows
 
 def plot_study(config="configs/study.py", path=os.path.join(RESULTS, "study.png")):

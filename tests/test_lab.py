@@ -112,7 +112,8 @@ def test_study_runner_is_cumulative(tmp_path):
 def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     """lab.study's attribution labels: "codec@fwd|bwd|SITES" become lab.emulate's arguments, and
     runs of a group with another config are keyed apart from the first study's."""
-    from lab.study import STUDY, study_key, variant_args
+    from lab.study import STUDY, confidence_interval, study_key, variant_args
+    assert confidence_interval([1.0, 2.0, 3.0]) == pytest.approx((2 - 4.303 / 3 ** 0.5, 2 + 4.303 / 3 ** 0.5))
     assert variant_args("hint8") == ["--tp_codec=hint8"]
     assert variant_args("hint8@fwd") == ["--tp_codec=hint8", "--tp_codec_bwd=none"]
     assert variant_args("taco@bwd") == ["--tp_codec=none", "--tp_codec_bwd=taco"]
