@@ -41,8 +41,9 @@ def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
     L = cd.padded(taco.cdiv(n, W))
     # all W ranks' W messages in one encode (message r*W + k: rank r's shard k; messages are
     # independent, so this is bit for bit what each rank encodes)
-    x = partials[0].new_zeros(W, W * L)
-    x[:, :n] = torch.stack([p.reshape(-1) for p in partials])
+    x = torch.stack([p.reshape(-1) for p in partials])                 # (W, n): row r is rank r's partial
+    if n < W * L:                                                      # zero padding to whole blocks
+        x = torch.cat([x, x.new_zeros(W, W * L - n)], dim=1)
     sent = cd.encode(x.view(-1), W * W, L).view(W, W, -1)              # [sender, shard, byte]
     # what rank k does with the W messages for shard k (rank order), then everyone's decode
     received = sent.transpose(0, 1).contiguous()                       # [shard, sender, byte]
@@ -50,16 +51,24 @@ def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
     return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
 
-def rank_rows(a, dim, parts, t, r):
-    """Rank r's share of a column-parallel dimension of `a` (a weight's rows, a bias, an output's
-    last dimension): every one of `parts` equal sections (QKV: [Q|K|V]) cut into t pieces, piece r
-    of each, contiguous. Views and one copy: no index tensors (they would cross from the host)."""
-    return split(a, dim, parts, t).select(dim + 1, r).reshape(*a.shape[:dim], -1, *a.shape[dim + 1:])
-
-
 def split(a, dim, parts, t):
     """`a` with dimension `dim` viewed as (parts, t, per): rank r's pieces are [..., :, r, :]."""
     return a.view(*a.shape[:dim], parts, t, a.shape[dim] // (parts * t), *a.shape[dim + 1:])
+
+
+def by_rank(a, dim, parts, t):
+    """The shares of t ranks in a column-parallel dimension of `a` (a weight's rows, a bias, an
+    output's last dimension), rank-major in one copy: [r] is rank r's share, contiguous — every one
+    of `parts` equal sections (QKV: [Q|K|V]) cut into t pieces, piece r of each."""
+    return split(a, dim, parts, t).movedim(dim + 1, 0).reshape(t, *a.shape[:dim], -1, *a.shape[dim + 1:])
+
+
+def from_ranks(pieces, dim, parts):
+    """The inverse of by_rank: t ranks' shares (a list, or stacked) back in the full layout."""
+    s = torch.stack(list(pieces)) if isinstance(pieces, (list, tuple)) else pieces
+    t, shape = s.shape[0], s.shape[1:]
+    s = s.view(t, *shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
+    return s.movedim(0, dim + 1).reshape(*shape[:dim], -1, *shape[dim + 1:])
 
 
 class _EmulatedG(torch.autograd.Function):
@@ -86,29 +95,22 @@ class _EmulatedF(torch.autograd.Function):
     def forward(ctx, x, weight, bias, comm, parts, t):
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.has_bias, ctx.parts, ctx.t = comm, bias is not None, parts, t
-        piece = lambda a, r: None if a is None else rank_rows(a, 0, parts, t, r)
-        outs = [F.linear(x, piece(weight, r), piece(bias, r)) for r in range(t)]
-        y = x.new_empty(*x.shape[:-1], weight.shape[0], dtype=outs[0].dtype)
-        pieces = split(y, y.dim() - 1, parts, t)
-        for r, o in enumerate(outs):
-            pieces.select(-2, r).copy_(o.view(*o.shape[:-1], parts, -1))
-        return y
+        ws = by_rank(weight, 0, parts, t)
+        bs = [None] * t if bias is None else by_rank(bias, 0, parts, t)
+        return from_ranks([F.linear(x, ws[r], bs[r]) for r in range(t)], x.dim() - 1, parts)
 
     @staticmethod
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
-        comm, wd, parts, t, gy = ctx.comm, w.to(gy.dtype), ctx.parts, ctx.t, gy.contiguous()
-        gys = [rank_rows(gy, gy.dim() - 1, parts, t, r).contiguous() for r in range(t)]
-        partials = [g @ rank_rows(wd, 0, parts, t, r).contiguous() for r, g in enumerate(gys)]
+        comm, parts, t = ctx.comm, ctx.parts, ctx.t
+        gys = by_rank(gy.contiguous(), gy.dim() - 1, parts, t)
+        wd = by_rank(w.to(gy.dtype), 0, parts, t)
+        partials = [gys[r] @ wd[r] for r in range(t)]
         gx = emulated_all_reduce(partials, codec=comm.codec_for(partials[0], "bwd"), block_size=comm.block_size)
         x2 = x.reshape(-1, x.shape[-1]).to(gy.dtype)
-        gw = torch.empty_like(w)
-        gb = torch.empty(w.shape[0], dtype=w.dtype, device=w.device) if ctx.has_bias else None
-        for r, g in enumerate(gys):
-            g2 = g.reshape(-1, g.shape[-1])
-            split(gw, 0, parts, t)[:, r] = (g2.t() @ x2).to(w.dtype).view(parts, -1, w.shape[1])
-            if ctx.has_bias:
-                split(gb, 0, parts, t)[:, r] = g2.sum(0).to(w.dtype).view(parts, -1)
+        g2 = [g.reshape(-1, g.shape[-1]) for g in gys]
+        gw = from_ranks(torch.stack([g.t() @ x2 for g in g2]).to(w.dtype), 0, parts)
+        gb = from_ranks(torch.stack([g.sum(0) for g in g2]).to(w.dtype), 0, parts) if ctx.has_bias else None
         return gx.to(x.dtype), gw, gb, None, None, None
 
 
