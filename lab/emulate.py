@@ -133,8 +133,8 @@ class EmulatedRow(nn.Module):
         self.weight, self.bias, self.comm, self.t = layer.weight, layer.bias, comm, t
 
     def forward(self, x):
-        xs, ws = x.chunk(self.t, dim=-1), self.weight.chunk(self.t, dim=-1)
-        y = _EmulatedG.apply(self.comm, *[F.linear(a.contiguous(), w) for a, w in zip(xs, ws)])
+        xs, ws = by_rank(x, x.dim() - 1, 1, self.t), self.weight.chunk(self.t, dim=-1)
+        y = _EmulatedG.apply(self.comm, *[F.linear(xs[r], w) for r, w in enumerate(ws)])
         return y if self.bias is None else y + self.bias
 
 
