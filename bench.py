@@ -3,6 +3,7 @@ Benchmarks, each side by side with its baseline in one run; each prints a short 
 writes its full results (date, machine, versions, the command) to results/<name>.json.
 
     python bench.py kernels                                  # GPU: fused kernels vs copy bandwidth vs PyTorch
+    python bench.py overlap                                  # GPU: codec kernels beside a matmul, two streams
     torchrun --nproc_per_node=2 bench.py collective nvlink   # GPUs: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
 """
@@ -148,6 +149,56 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
          "time; input bf16; time = mean GPU time of 50 back-to-back runs (launch overhead hidden), the unfused "
          "reference: median of 5 single runs")
     table(rows, ["elements", "op", "codec", "us", "GB/s", "% of copy"])
+
+
+# -----------------------------------------------------------------------------
+# the backward's overlap in isolation: codec kernels beside a weight-gradient matmul
+
+def bench_overlap(codec="hint8", tag="overlap", iters=20):
+    """One GPU. In the backward a TP all-reduce is started, then the weight-gradient matmul runs
+    while it is on the wire. Here, without the wire: the codec kernels of one all-reduce of gpt1b
+    at TP=2 (an input gradient of 16k tokens x 2048, 64 MB: encode two messages, reduce, decode)
+    issued on a side stream, then the MLP's weight-gradient matmul (16k x 4096 by 16k x 2048) on
+    the main stream, next to each alone; the side stream at normal and at high priority. Per
+    variant: each side's time from the common start, how much the matmul slows, and how much of
+    the codec time hides (1 = all of it)."""
+    taco_kernels.load()
+    cd = taco.get_codec(codec)
+    T, K, N = 16384, 4096, 2048
+    gy, x = (torch.randn(T, d, device="cuda", dtype=torch.bfloat16) for d in (K, N))
+    grad = torch.randn(T * N, device="cuda", dtype=torch.bfloat16)
+    L = T * N // 2
+    msgs, out = cd.encode(grad, 2, L), torch.empty_like(grad)
+    matmul = lambda: gy.t() @ x
+    codec_kernels = lambda: (cd.encode(grad, 2, L), cd.reduce_encode(msgs, L), cd.decode(msgs, L, T * N, out=out))
+    alone = {"matmul": device_time(matmul), "codec": device_time(codec_kernels)}
+    rows = [{"variant": "alone", "matmul us": f"{alone['matmul']:.1f}", "codec us": f"{alone['codec']:.1f}",
+             "both us": f"{alone['matmul'] + alone['codec']:.1f}", "matmul slowdown": "1.00x", "codec hidden": "0%"}]
+    main = torch.cuda.current_stream()
+    for name, priority in (("together, side stream normal priority", 0), ("together, side stream high priority", -1)):
+        side = torch.cuda.Stream(priority=priority)
+        spans = []
+        for i in range(iters + 3):
+            start, mm_end, cd_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            torch.cuda.synchronize()
+            start.record(main)
+            side.wait_event(start)
+            with torch.cuda.stream(side):
+                codec_kernels()
+                cd_end.record(side)
+            matmul()
+            mm_end.record(main)
+            main.wait_stream(side)
+            torch.cuda.synchronize()
+            if i >= 3:                                   # warm-up rounds left out
+                spans.append((start.elapsed_time(mm_end) * 1000, start.elapsed_time(cd_end) * 1000))
+        mm, co = (sorted(v)[len(v) // 2] for v in zip(*spans))
+        both = max(mm, co)
+        rows.append({"variant": name, "matmul us": f"{mm:.1f}", "codec us": f"{co:.1f}", "both us": f"{both:.1f}",
+                     "matmul slowdown": f"{mm / alone['matmul']:.2f}x",
+                     "codec hidden": f"{100 * (alone['matmul'] + alone['codec'] - both) / alone['codec']:.0f}%"})
+    save(tag, rows, codec=codec, note=bench_overlap.__doc__)
+    table(rows, ["variant", "matmul us", "codec us", "both us", "matmul slowdown", "codec hidden"])
 
 
 # -----------------------------------------------------------------------------
@@ -328,6 +379,8 @@ def main(argv):
     k = sub.add_parser("kernels", help="GPU: the fused kernels vs copy bandwidth and the PyTorch reference")
     k.add_argument("--tag", default="kernels", help="results/<tag>.json")
     k.add_argument("--sizes", default="1,4,16,64,256", help="millions of elements")
+    o = sub.add_parser("overlap", help="GPU: one all-reduce's codec kernels beside a weight-gradient matmul")
+    o.add_argument("--codec", default="hint8")
     c = sub.add_parser("collective", help="GPUs, under torchrun: taco.all_reduce vs NCCL and torch symm-mem")
     c.add_argument("tag", nargs="?", default="nvlink", help="results/collective_<tag>.json")
     e = sub.add_parser("e2e", help="train a config once per entry in one invocation; step time side by side")
@@ -338,6 +391,10 @@ def main(argv):
     a = ap.parse_args(argv)
     if a.what == "kernels":
         bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")))
+    elif a.what == "overlap":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.py overlap needs a CUDA GPU")
+        bench_overlap(a.codec)
     elif a.what == "collective":
         bench_collective(tag=a.tag)
     else:

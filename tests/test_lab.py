@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lab import analysis, costmodel
 from test_train import ROOT, TINY
@@ -139,6 +140,10 @@ def test_emulation_refuses_what_it_cannot_emulate():
     p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--graph", *TINY], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0 and "--graph needs a CUDA GPU" in p.stdout + p.stderr
+    if not torch.cuda.is_available():
+        p = subprocess.run([sys.executable, "bench.py", "overlap"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
 
 
 def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
