@@ -3,6 +3,7 @@ Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said 
 
     python -m lab.analysis codecs                 # every codec's error on real TP all-reduce inputs (results/codecs.json)
     python -m lab.analysis histograms             # the paper's Figs. 4/8 on our TP tensors (results/histograms.png)
+    python -m lab.analysis sites                  # which all-reduces' compression moves the gradient (results/sites.json)
     python -m lab.analysis trace-report STEPS TRACE...   # where a step's GPU time goes (train.py --profile_steps)
     python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
 """
@@ -17,8 +18,8 @@ import torch.distributed as dist
 
 import parallel
 import taco
-from bench import RESULTS, save, table
-from lab.emulate import emulated_all_reduce  # (and with it the codec `tahquant`)
+from bench import RESULTS, ROOT, save, table
+from lab.emulate import emulate_tp, emulated_all_reduce, parse_sites  # (and with it the codec `tahquant`)
 from tests.launcher import run_ranks
 
 
@@ -80,6 +81,62 @@ def codec_errors(world=4, steps=100):
     print(f"\n{len(calls)} TP all-reduces (fwd activations + bwd activation gradients), TP={world}, demo model:")
     table(rows, ["codec", "bytes/elem", "fwd rel err", "bwd rel err", "worst rel err", "SNR dB"])
 
+
+
+PARTS = {   # what is compressed: (forward all-reduces, backward ones, sites), and how many of a step's there are
+    "all": (True, True, None, lambda L: 4 * L + 2), "forward": (True, False, None, lambda L: 2 * L + 1),
+    "backward": (False, True, None, lambda L: 2 * L + 1), "attention": (True, True, "attn", lambda L: 2 * L),
+    "MLP": (True, True, "mlp", lambda L: 2 * L), "embedding + head": (True, True, "ends", lambda L: 2),
+    "embedding (fwd)": (True, False, "ends", lambda L: 1), "LM head (bwd)": (False, True, "ends", lambda L: 1)}
+
+
+def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_layer=4, n_embd=128, tag="sites"):
+    """Where a codec's error enters, measured on the gradient (CPU, no training with compression):
+    a GPT (n_layer x n_embd, 8 heads) trained `steps` steps uncompressed on the small dataset, then at TP=t
+    emulated one step's full gradient with the codec on all, the forward, the backward, the
+    attention, the MLP or the embedding/head all-reduces only, against the uncompressed emulation's
+    (same weights and batches; mean over `batches` batches). "share" = that part's squared error
+    over the whole's: independent errors add in squares, so the shares of a split sum to about 1.
+    A first, cheap answer; training with the codec on part of the all-reduces (lab.study attrib) is
+    the one that counts."""
+    from data.loader import Batches
+    from model import GPT, GPTConfig
+    cfg = GPTConfig(block_size=64, n_layer=n_layer, n_head=8, n_embd=n_embd)
+    data = Batches(os.path.join(ROOT, "data", "small"), 64, 8, 1337, 0, "cpu")
+    model = GPT(cfg, seed=1337)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
+    for it in range(steps):
+        model(*data.get("train", it))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    state = model.state_dict()
+
+    def gradients(fwd, bwd, sites):
+        comm = parallel.TPComm(fwd_codec=fwd, bwd_codec=bwd)
+        emu = emulate_tp(GPT(cfg, comm, seed=1337), t, comm, None if sites is None else parse_sites(sites))
+        emu.load_state_dict(state)
+        out = []
+        for b in range(batches):
+            emu.zero_grad()
+            loss = emu(*data.get("val", b))[1]
+            loss.backward()
+            out.append((loss.item(), torch.cat([p.grad.flatten() for p in emu.parameters()]).double()))
+        return out
+    exact = gradients("none", "none", None)
+    rows = []
+    for codec in codecs:
+        err2 = {}
+        for part, (fwd, bwd, sites, count) in PARTS.items():
+            got = gradients(codec if fwd else "none", codec if bwd else "none", sites)
+            err2[part] = sum(((g - e).norm() / e.norm()).item() ** 2 for (_, g), (_, e) in zip(got, exact)) / batches
+            dloss = sum(lg - le for (lg, _), (le, _) in zip(got, exact)) / batches
+            rows.append({"codec": codec, "compressed": part, "all-reduces": count(cfg.n_layer),
+                         "grad rel err": f"{err2[part] ** 0.5:.2e}",
+                         "share": f"{err2[part] / err2['all']:.2f}", "loss change": f"{dloss:+.1e}"})
+    save(tag, rows, tp=t, steps=steps, batches=batches, n_layer=n_layer, n_embd=n_embd, note=site_errors.__doc__)
+    print(f"\nTP={t} emulated, a {n_layer} x {n_embd} GPT after {steps} steps, {batches} batches:")
+    table(rows, ["codec", "compressed", "all-reduces", "grad rel err", "share", "loss change"])
+    return rows
 
 
 def histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png")):
@@ -246,6 +303,10 @@ def main(argv):
     sub = ap.add_subparsers(dest="what", required=True)
     sub.add_parser("codecs", help="every codec's error on the demo model's TP=4 all-reduce inputs")
     sub.add_parser("histograms", help="what the all-reduces carry, raw / Hadamard / ASH")
+    si = sub.add_parser("sites", help="which all-reduces' compression moves the gradient most (TP=8 emulated)")
+    si.add_argument("--n_layer", type=int, default=4)
+    si.add_argument("--n_embd", type=int, default=128)
+    si.add_argument("--tag", default="sites", help="results/<tag>.json")
     t = sub.add_parser("trace-report", help="per kernel kind: GPU time beside compute vs exposed")
     t.add_argument("steps", type=int, help="how many steps the traces hold (train.py --profile_steps)")
     t.add_argument("traces", nargs="+")
@@ -257,6 +318,8 @@ def main(argv):
         codec_errors()
     elif a.what == "histograms":
         histograms()
+    elif a.what == "sites":
+        site_errors(n_layer=a.n_layer, n_embd=a.n_embd, tag=a.tag)
     elif a.what == "trace-report":
         for path in a.traces:
             rows, calls = trace_report(path, a.steps)

@@ -133,6 +133,20 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     assert final["hint8@fwd"] != final["hint8@bwd"] != final["none"]
 
 
+def test_site_errors_split_the_gradient_error(tmp_path):
+    """lab.analysis sites, briefly: compressing only the backward cannot change the loss; the
+    forward/backward and the attention/MLP/embedding+head splits each account for roughly the
+    whole error (errors add in squares when independent)."""
+    sh(["-c", "from lab.analysis import site_errors; site_errors(('hint8',), steps=2, batches=1)"],
+       NANOTACO_RESULTS=str(tmp_path))
+    rows = {r["compressed"]: r for r in json.load(open(tmp_path / "sites.json"))["rows"]}
+    share = lambda *parts: sum(float(rows[p]["share"]) for p in parts)
+    assert rows["all"]["share"] == "1.00" and rows["all"]["all-reduces"] == 18
+    assert float(rows["backward"]["loss change"]) == 0 and float(rows["LM head (bwd)"]["loss change"]) == 0
+    assert 0.6 < share("forward", "backward") < 1.6 and 0.6 < share("attention", "MLP", "embedding + head") < 1.6
+    assert all(float(r["grad rel err"]) > 0 for r in rows.values())
+
+
 def test_emulation_refuses_what_it_cannot_emulate():
     p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--taco_chunks=2", *TINY], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=600)
