@@ -126,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         if self.comm.size == 1:
             return F.embedding(idx, self.weight)
-        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm)   # (B, T, C), SP: (B, T/tp, C)
+        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm, "embed")   # (B, T, C), SP: (B, T/tp, C)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

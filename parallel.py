@@ -137,13 +137,15 @@ class TPComm:
     """Everything a tensor-parallel layer needs to talk to its TP peers.
 
     fwd_codec compresses the forward all-reduce (g: activations after a row-parallel layer);
-    bwd_codec the backward one (f: activation gradients before a column-parallel layer).
+    bwd_codec the backward one (f: activation gradients before a column-parallel layer);
+    embed_codec the embedding's forward all-reduce ("": fwd_codec), whose error reaches every layer.
     "none" is a plain torch.distributed.all_reduce; so is any tensor under min_bytes."""
     group: object = None
     size: int = 1
     rank: int = 0
     fwd_codec: str = "none"
     bwd_codec: str = "none"
+    embed_codec: str = ""
     block_size: int = 256
     chunks: int = 1
     min_bytes: int = 0
@@ -152,8 +154,8 @@ class TPComm:
     transport: str = "auto"      # taco.TRANSPORTS: auto | dist (NCCL, gloo) | symm (symmetric memory)
 
     def codec_for(self, x, direction):
-        """The codec for a TP collective of x in direction "fwd" or "bwd"."""
-        codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
+        """The codec for a TP collective of x in direction "fwd", "bwd" or "embed" (the embedding's fwd)."""
+        codec = {"fwd": self.fwd_codec, "bwd": self.bwd_codec, "embed": self.embed_codec or self.fwd_codec}[direction]
         return "none" if x.numel() * x.element_size() < self.min_bytes else codec
 
     def all_reduce(self, x, direction, async_op=False):
@@ -184,9 +186,9 @@ def f(x, weight, bias, comm):
     return F.linear(x, weight, bias) if comm.size == 1 else _F.apply(x, weight, bias, comm)
 
 
-def g(x, comm):
-    """g: the sum of the row-parallel partial outputs over the TP group."""
-    return x if comm.size == 1 else _G.apply(x, comm)
+def g(x, comm, direction="fwd"):
+    """g: the sum of the row-parallel partial outputs over the TP group ("embed": the embedding's)."""
+    return x if comm.size == 1 else _G.apply(x, comm, direction)
 
 
 class _F(torch.autograd.Function):
@@ -229,17 +231,17 @@ class _G(torch.autograd.Function):
     identity backward. Sequence parallelism: reduce-scatter forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm, direction):
         ctx.comm = comm
         if not comm.sp:
-            return comm.all_reduce(x.contiguous(), "fwd")
-        return comm.reduce_scatter_seq(x, "fwd")                        # (B, T, C) -> (B, T/tp, C)
+            return comm.all_reduce(x.contiguous(), direction)
+        return comm.reduce_scatter_seq(x, direction)                    # (B, T, C) -> (B, T/tp, C)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.comm.sp:
-            return grad, None
-        return ctx.comm.all_gather_seq(grad.contiguous(), "bwd"), None
+            return grad, None, None
+        return ctx.comm.all_gather_seq(grad.contiguous(), "bwd"), None, None
 
 
 def sync_sp_grads(params, comm):

@@ -38,7 +38,7 @@ def _capture_worker(rank, world, steps):
     captured, all_reduce = [], comm.all_reduce
 
     def capturing(x, direction, async_op=False):              # wraps THE TP all-reduce of this comm
-        captured.append((direction, x.detach().clone()))
+        captured.append(("bwd" if direction == "bwd" else "fwd", x.detach().clone()))   # embed: a forward one
         return all_reduce(x, direction, async_op)
     for it in range(steps + 1):
         if it == steps:

@@ -76,14 +76,14 @@ class _EmulatedG(torch.autograd.Function):
     backward hands every partial the same gradient."""
 
     @staticmethod
-    def forward(ctx, comm, *partials):
+    def forward(ctx, comm, direction, *partials):
         ctx.t = len(partials)
         parts = [p.contiguous() for p in partials]
-        return emulated_all_reduce(parts, codec=comm.codec_for(parts[0], "fwd"), block_size=comm.block_size)
+        return emulated_all_reduce(parts, codec=comm.codec_for(parts[0], direction), block_size=comm.block_size)
 
     @staticmethod
     def backward(ctx, grad):
-        return (None,) + (grad,) * ctx.t
+        return (None, None) + (grad,) * ctx.t
 
 
 class _EmulatedF(torch.autograd.Function):
@@ -134,7 +134,7 @@ class EmulatedRow(nn.Module):
 
     def forward(self, x):
         xs, ws = by_rank(x, x.dim() - 1, 1, self.t), self.weight.chunk(self.t, dim=-1)
-        y = _EmulatedG.apply(self.comm, *[F.linear(xs[r], w) for r, w in enumerate(ws)])
+        y = _EmulatedG.apply(self.comm, "fwd", *[F.linear(xs[r], w) for r, w in enumerate(ws)])
         return y if self.bias is None else y + self.bias
 
 
@@ -149,7 +149,7 @@ class EmulatedEmbedding(nn.Module):
     def forward(self, idx):
         shards = self.weight.chunk(self.t, dim=0)
         per = shards[0].shape[0]
-        return _EmulatedG.apply(self.comm, *[VocabParallelEmbedding.lookup(idx, w, r * per)
+        return _EmulatedG.apply(self.comm, "embed", *[VocabParallelEmbedding.lookup(idx, w, r * per)
                                              for r, w in enumerate(shards)])
 
 

@@ -167,6 +167,31 @@ def test_model_tp_matches_single_rank(tp):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _embedding_outputs(rank, world):
+    """Rank 0's embedding output (the all-reduced lookup) with hint8 everywhere, with the embedding's
+    all-reduce left uncompressed, and with nothing compressed."""
+    out = {}
+    for name, kw in (("hint8", {}), ("embed none", {"embed_codec": "none"}), ("none", {"fwd_codec": "none",
+                                                                                      "bwd_codec": "none"})):
+        comm = comm_for(rank, world, **{"fwd_codec": "hint8", "bwd_codec": "hint8", **kw})
+        model = GPT(CFG, comm, seed=3)
+        seen = []
+        model.wte.register_forward_hook(lambda mod, inp, o: seen.append(o.detach().clone()))
+        x = torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+        loss = model(x, x)[1]
+        out[name] = (seen[0], loss.item())
+    return out
+
+
+def test_embedding_codec_applies_to_the_embedding_alone():
+    """tp_codec_embed: the embedding's all-reduce takes its own codec ("none": exact, as without
+    compression), the other all-reduces keep theirs (the loss still differs from uncompressed)."""
+    for out in run_ranks(_embedding_outputs, 2):
+        assert torch.equal(out["embed none"][0], out["none"][0])
+        assert not torch.equal(out["hint8"][0], out["none"][0])
+        assert out["embed none"][1] != out["none"][1]
+
+
 # --- configuration checks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, message", [
