@@ -30,6 +30,8 @@ STUDY = {   # group: (emulated TP degree, [(codec, block size)], config); "none"
     "ours": (8, [("none", 256), ("taco", 256), ("hint8", 256), ("hint6", 256)], "configs/study.py"),
     # trained ~5x longer, to validation loss ~4.4 (configs/study_long.py)
     "long": (8, [("none", 256), ("hint8", 256), ("taco", 256), ("hint6", 256)], "configs/study_long.py"),
+    # the embedding's all-reduce left uncompressed (tp_codec_embed=none): where lab.analysis sites finds most of the error
+    "embed": (8, [("none", 256)] + [(f"{c}@noembed", 256) for c in ("hint8", "taco", "hint6")], "configs/study_long.py"),
     # TP=2 emulated, to stand beside real TP=2 runs (python -m lab.study tp-real 2 none,hint8 --config=...)
     "tp2": (2, [("none", 256), ("hint8", 256)], "configs/study_long.py"),
     # where the error comes from: one codec on part of the all-reduces only (see variant_args)
@@ -51,9 +53,12 @@ def study_runs(groups):
 
 def variant_args(label):
     """A study label's arguments for lab.emulate: "hint8" compresses every TP all-reduce;
-    "hint8@fwd" / "hint8@bwd" only the forward / backward ones; "hint8@SITES" only those sites
-    (lab.emulate --sites, e.g. "hint8@mlp", "hint8@attn=hint6,mlp,ends")."""
+    "hint8@fwd" / "hint8@bwd" only the forward / backward ones; "hint8@noembed" all but the
+    embedding's; "hint8@SITES" only those sites (lab.emulate --sites, e.g. "hint8@mlp",
+    "hint8@attn=hint6,mlp,ends")."""
     codec, _, part = label.partition("@")
+    if part == "noembed":
+        return [f"--tp_codec={codec}", "--tp_codec_embed=none"]
     if part == "fwd":
         return [f"--tp_codec={codec}", "--tp_codec_bwd=none"]
     if part == "bwd":

@@ -118,6 +118,7 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     assert variant_args("hint8") == ["--tp_codec=hint8"]
     assert variant_args("hint8@fwd") == ["--tp_codec=hint8", "--tp_codec_bwd=none"]
     assert variant_args("taco@bwd") == ["--tp_codec=none", "--tp_codec_bwd=taco"]
+    assert variant_args("hint6@noembed") == ["--tp_codec=hint6", "--tp_codec_embed=none"]
     assert variant_args("hint8@attn=hint6,mlp") == ["--sites=attn=hint6,mlp", "--tp_codec=hint8"]
     assert study_key("none", 256, 8, 0, "configs/study.py", ()) == "none|B256|tp8|seed0|"
     assert study_key("none", 256, 8, 0, "configs/study_long.py", ()) == "none|B256|tp8|seed0||study_long.py"
