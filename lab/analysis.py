@@ -83,19 +83,23 @@ def codec_errors(world=4, steps=100):
 
 
 
-PARTS = {   # what is compressed: (forward all-reduces, backward ones, sites), and how many of a step's there are
-    "all": (True, True, None, lambda L: 4 * L + 2), "forward": (True, False, None, lambda L: 2 * L + 1),
-    "backward": (False, True, None, lambda L: 2 * L + 1), "attention": (True, True, "attn", lambda L: 2 * L),
-    "MLP": (True, True, "mlp", lambda L: 2 * L), "embedding + head": (True, True, "ends", lambda L: 2),
-    "embedding (fwd)": (True, False, "ends", lambda L: 1), "LM head (bwd)": (False, True, "ends", lambda L: 1)}
+PARTS = {   # what is compressed: (forward all-reduces, backward ones, sites, the embedding's), and how many
+    "all": (True, True, None, True, lambda L: 4 * L + 2),
+    "all but the embedding": (True, True, None, False, lambda L: 4 * L + 1),      # tp_codec_embed=none
+    "forward": (True, False, None, True, lambda L: 2 * L + 1),
+    "backward": (False, True, None, True, lambda L: 2 * L + 1),
+    "attention": (True, True, "attn", True, lambda L: 2 * L), "MLP": (True, True, "mlp", True, lambda L: 2 * L),
+    "embedding + head": (True, True, "ends", True, lambda L: 2),
+    "embedding (fwd)": (True, False, "ends", True, lambda L: 1), "LM head (bwd)": (False, True, "ends", True, lambda L: 1)}
 
 
 def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_layer=4, n_embd=128, tag="sites"):
     """Where a codec's error enters, measured on the gradient (CPU, no training with compression):
-    a GPT (n_layer x n_embd, 8 heads) trained `steps` steps uncompressed on the small dataset, then at TP=t
-    emulated one step's full gradient with the codec on all, the forward, the backward, the
-    attention, the MLP or the embedding/head all-reduces only, against the uncompressed emulation's
-    (same weights and batches; mean over `batches` batches). "share" = that part's squared error
+    a GPT (n_layer x n_embd, 8 heads) trained `steps` steps uncompressed on the small dataset, then
+    at TP=t emulated one step's full gradient with the codec on all, the forward, the backward, the
+    attention, the MLP or the embedding/head all-reduces only (or on all but the embedding's),
+    against the uncompressed emulation's (same weights and batches; mean over `batches` batches).
+    "share" = that part's squared error
     over the whole's: independent errors add in squares, so the shares of a split sum to about 1.
     A first, cheap answer; training with the codec on part of the all-reduces (lab.study attrib) is
     the one that counts."""
@@ -111,8 +115,8 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
         opt.zero_grad()
     state = model.state_dict()
 
-    def gradients(fwd, bwd, sites):
-        comm = parallel.TPComm(fwd_codec=fwd, bwd_codec=bwd)
+    def gradients(fwd, bwd, sites, embed=True):
+        comm = parallel.TPComm(fwd_codec=fwd, bwd_codec=bwd, embed_codec="" if embed else "none")
         emu = emulate_tp(GPT(cfg, comm, seed=1337), t, comm, None if sites is None else parse_sites(sites))
         emu.load_state_dict(state)
         out = []
@@ -126,8 +130,8 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
     rows = []
     for codec in codecs:
         err2 = {}
-        for part, (fwd, bwd, sites, count) in PARTS.items():
-            got = gradients(codec if fwd else "none", codec if bwd else "none", sites)
+        for part, (fwd, bwd, sites, embed, count) in PARTS.items():
+            got = gradients(codec if fwd else "none", codec if bwd else "none", sites, embed)
             err2[part] = sum(((g - e).norm() / e.norm()).item() ** 2 for (_, g), (_, e) in zip(got, exact)) / batches
             dloss = sum(lg - le for (lg, _), (le, _) in zip(got, exact)) / batches
             rows.append({"codec": codec, "compressed": part, "all-reduces": count(cfg.n_layer),
@@ -306,6 +310,7 @@ def main(argv):
     si = sub.add_parser("sites", help="which all-reduces' compression moves the gradient most (TP=8 emulated)")
     si.add_argument("--n_layer", type=int, default=4)
     si.add_argument("--n_embd", type=int, default=128)
+    si.add_argument("--steps", type=int, default=100, help="uncompressed training steps before the measurement")
     si.add_argument("--tag", default="sites", help="results/<tag>.json")
     t = sub.add_parser("trace-report", help="per kernel kind: GPU time beside compute vs exposed")
     t.add_argument("steps", type=int, help="how many steps the traces hold (train.py --profile_steps)")
@@ -319,7 +324,7 @@ def main(argv):
     elif a.what == "histograms":
         histograms()
     elif a.what == "sites":
-        site_errors(n_layer=a.n_layer, n_embd=a.n_embd, tag=a.tag)
+        site_errors(n_layer=a.n_layer, n_embd=a.n_embd, steps=a.steps, tag=a.tag)
     elif a.what == "trace-report":
         for path in a.traces:
             rows, calls = trace_report(path, a.steps)

@@ -143,6 +143,7 @@ def test_site_errors_split_the_gradient_error(tmp_path):
     rows = {r["compressed"]: r for r in json.load(open(tmp_path / "sites.json"))["rows"]}
     share = lambda *parts: sum(float(rows[p]["share"]) for p in parts)
     assert rows["all"]["share"] == "1.00" and rows["all"]["all-reduces"] == 18
+    assert rows["all but the embedding"]["all-reduces"] == 17
     assert float(rows["backward"]["loss change"]) == 0 and float(rows["LM head (bwd)"]["loss change"]) == 0
     assert 0.6 < share("forward", "backward") < 1.6 and 0.6 < share("attention", "MLP", "embedding + head") < 1.6
     assert all(float(r["grad rel err"]) > 0 for r in rows.values())
