@@ -93,9 +93,10 @@ PARTS = {   # what is compressed: (forward all-reduces, backward ones, sites, th
     "embedding (fwd)": (True, False, "ends", True, lambda L: 1), "LM head (bwd)": (False, True, "ends", True, lambda L: 1)}
 
 
-def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_layer=4, n_embd=128, tag="sites"):
+def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_layer=4, n_embd=128, dataset="small",
+                tag="sites"):
     """Where a codec's error enters, measured on the gradient (CPU, no training with compression):
-    a GPT (n_layer x n_embd, 8 heads) trained `steps` steps uncompressed on the small dataset, then
+    a GPT (n_layer x n_embd, 8 heads) trained `steps` steps uncompressed on `dataset`, then
     at TP=t emulated one step's full gradient with the codec on all, the forward, the backward, the
     attention, the MLP or the embedding/head all-reduces only (or on all but the embedding's),
     against the uncompressed emulation's (same weights and batches; mean over `batches` batches).
@@ -106,7 +107,7 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
     from data.loader import Batches
     from model import GPT, GPTConfig
     cfg = GPTConfig(block_size=64, n_layer=n_layer, n_head=8, n_embd=n_embd)
-    data = Batches(os.path.join(ROOT, "data", "small"), 64, 8, 1337, 0, "cpu")
+    data = Batches(os.path.join(ROOT, "data", dataset), 64, 8, 1337, 0, "cpu")
     model = GPT(cfg, seed=1337)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     for it in range(steps):
@@ -137,8 +138,9 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
             rows.append({"codec": codec, "compressed": part, "all-reduces": count(cfg.n_layer),
                          "grad rel err": f"{err2[part] ** 0.5:.2e}",
                          "share": f"{err2[part] / err2['all']:.2f}", "loss change": f"{dloss:+.1e}"})
-    save(tag, rows, tp=t, steps=steps, batches=batches, n_layer=n_layer, n_embd=n_embd, note=site_errors.__doc__)
-    print(f"\nTP={t} emulated, a {n_layer} x {n_embd} GPT after {steps} steps, {batches} batches:")
+    save(tag, rows, tp=t, steps=steps, batches=batches, n_layer=n_layer, n_embd=n_embd, dataset=dataset,
+         note=site_errors.__doc__)
+    print(f"\nTP={t} emulated, a {n_layer} x {n_embd} GPT after {steps} steps on {dataset}, {batches} batches:")
     table(rows, ["codec", "compressed", "all-reduces", "grad rel err", "share", "loss change"])
     return rows
 
@@ -311,6 +313,7 @@ def main(argv):
     si.add_argument("--n_layer", type=int, default=4)
     si.add_argument("--n_embd", type=int, default=128)
     si.add_argument("--steps", type=int, default=100, help="uncompressed training steps before the measurement")
+    si.add_argument("--dataset", default="small", help="data/<dataset> (python data/prepare.py small|large)")
     si.add_argument("--tag", default="sites", help="results/<tag>.json")
     t = sub.add_parser("trace-report", help="per kernel kind: GPU time beside compute vs exposed")
     t.add_argument("steps", type=int, help="how many steps the traces hold (train.py --profile_steps)")
@@ -324,7 +327,7 @@ def main(argv):
     elif a.what == "histograms":
         histograms()
     elif a.what == "sites":
-        site_errors(n_layer=a.n_layer, n_embd=a.n_embd, steps=a.steps, tag=a.tag)
+        site_errors(n_layer=a.n_layer, n_embd=a.n_embd, steps=a.steps, dataset=a.dataset, tag=a.tag)
     elif a.what == "trace-report":
         for path in a.traces:
             rows, calls = trace_report(path, a.steps)
