@@ -52,7 +52,7 @@ def save(name, rows, **extra):
 
 
 def table(rows, cols):
-    widths = [max(len(c), *(len(f"{r.get(c, '-')}") for r in rows)) for c in cols]
+    widths = [max([len(c)] + [len(f"{r.get(c, '-')}") for r in rows]) for c in cols]
     print(" | ".join(c.rjust(w) for c, w in zip(cols, widths)))
     print("-+-".join("-" * w for w in widths))
     for r in rows:
