@@ -212,9 +212,11 @@ class _LossOnly(nn.Module):
 
 def capture(model, cfg):
     """--graph: the emulated model's training forward and backward captured once as CUDA graphs
-    (torch.cuda.make_graphed_callables) and replayed every micro-batch: the same kernels without the
-    thousands of Python-issued launches an emulated step makes. Evaluation (no grad, eval mode) and
-    other shapes run eagerly. One micro-batch per step only: the replayed backward writes its
+    (torch.cuda.make_graphed_callables) and replayed every micro-batch, without the thousands of
+    Python-issued launches an emulated step makes. The forward and the weight gradients are the eager
+    ones bit for bit, the bias gradients (sums over rows) may round differently, so a graph run is
+    not an eager run's twin (tests/test_emulation.py). Evaluation (no grad, eval mode) and other
+    shapes run eagerly. One micro-batch per step only: the replayed backward writes its
     gradients into the same buffers every time, which a second micro-batch would overwrite."""
     if cfg["gradient_accumulation_steps"] != 1 or not next(model.parameters()).is_cuda:
         raise SystemExit("config error: --graph needs a CUDA GPU and gradient_accumulation_steps=1")

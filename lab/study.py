@@ -3,7 +3,7 @@ The accuracy study: the TACO paper's convergence comparisons at small scale, wit
 one GPU (lab/emulate.py), several seeds, paired against the uncompressed run of the same seed.
 
     python -m lab.study run table1:3,fig11:1 [--jobs=2] [-- train.py overrides]   # resumable runs
-    python -m lab.study report            # the tables, from results/study.json
+    python -m lab.study report [--graph]  # the tables, from results/study.json (--graph: the run --graph runs)
     python -m lab.study plot              # results/study.png
     python -m lab.study tp-real 2 none,hint8 [--seeds=1] [--config=configs/study_long.py]  # real TP next to emulated
 
@@ -73,20 +73,23 @@ def study_key(codec, block, t, seed, config, extra):
 
 def run_study(groups, extra, jobs=1, graph=False):
     """Train one run per (codec, block, seed) of the groups with their config (lab.emulate: TP emulated),
-    `jobs` at a time (round-robin over the visible GPUs: the study's model is small, so several
-    runs share a GPU well), appending each finished run's loss curve and final losses to
+    `jobs` at a time (round-robin over the visible GPUs; on one H200 several runs at once were slower
+    than one after another), appending each finished run's loss curve and final losses to
     results/study.json. Runs already in the file (same key, same extra arguments) are skipped, so
-    a study can span sessions and an interrupted one resumes where it stopped."""
+    a study can span sessions and an interrupted one resumes where it stopped. `graph` runs
+    (lab.emulate --graph) are keyed apart: the replayed step rounds some gradient sums differently
+    from the eager one, so they pair only with graph runs (`report --graph`)."""
 
     root = next((a.split("=", 1)[1] for a in extra if a.startswith("--out_dir=")), os.path.join("out", "study"))
     extra = [a for a in extra if not a.startswith("--out_dir=")]
+    keyed = [*extra, "--graph"] if graph else extra              # the run's key and record
     done = json.load(open(STUDY_FILE)) if os.path.exists(STUDY_FILE) else {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")              # keep the caller's choice of GPUs
     gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     gpus = gpus if torch.cuda.device_count() else []
     todo = []
     for codec, block, t, seed, config in study_runs(groups):
-        key = study_key(codec, block, t, seed, config, extra)
+        key = study_key(codec, block, t, seed, config, keyed)
         if key not in done:
             todo.append((key, codec, block, t, seed, config))
     print(f"study {','.join(groups)}: {len(todo)} runs to do, {jobs} at a time on "
@@ -102,7 +105,7 @@ def run_study(groups, extra, jobs=1, graph=False):
             return
         rows = [json.loads(line) for line in open(os.path.join(out, "log.jsonl"))]
         evals = [r for r in rows if "val_loss" in r]
-        done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": extra, "config": config,
+        done[key] = {"codec": codec, "block": block, "tp": t, "seed": seed, "extra": keyed, "config": config,
                      "seconds": round(time.time() - t0, 1), "env": environment(),
                      "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
                      "val": [(r["iter"], r["val_loss"]) for r in evals],
@@ -137,7 +140,7 @@ def run_study(groups, extra, jobs=1, graph=False):
         running.append((key, codec, block, t, seed, config, out, proc, time.time(), log))
     reap(1)                                                 # the rest, in the order they finish
     for group in groups:
-        study_report(group, extra)
+        study_report(group, keyed)
     if failed:
         raise SystemExit(f"{len(failed)} of {len(todo)} study runs failed (their output: above)")
 
@@ -231,7 +234,8 @@ def plot_study(config="configs/study.py", path=os.path.join(RESULTS, "study.png"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from lab.analysis import save_figure
-    done = {k: r for k, r in json.load(open(STUDY_FILE)).items() if r.get("config", "configs/study.py") == config}
+    done = {k: r for k, r in json.load(open(STUDY_FILE)).items()
+            if r.get("config", "configs/study.py") == config and not r["extra"]}     # eager, default settings
     base = {(r["tp"], r["seed"]): r["final_val"] for r in done.values() if r["codec"] == "none"}
     labels = []
     for group, (t, runs, cfg) in STUDY.items():
@@ -273,8 +277,9 @@ def main(argv):
     r.add_argument("--seeds", type=int, default=3, help="seeds of a group given without :SEEDS")
     r.add_argument("--jobs", type=int, default=1, help="runs at a time (round-robin over the GPUs)")
     r.add_argument("--graph", action="store_true", help="lab.emulate --graph: steps replayed as CUDA graphs "
-                   "(not part of a run's key: it must give the eager run's numbers)")
-    sub.add_parser("report", help="the study's tables from results/study.json")
+                   "(~1.25x faster; keyed apart from eager runs: not bit-identical to them)")
+    rp = sub.add_parser("report", help="the study's tables from results/study.json")
+    rp.add_argument("--graph", action="store_true", help="the runs made with run --graph")
     sub.add_parser("plot", help="results/study.png (and study_long.png)")
     t = sub.add_parser("tp-real", help="the study's runs at real TP=T (torchrun), next to the emulated ones")
     t.add_argument("tp", type=int)
@@ -290,7 +295,7 @@ def main(argv):
         run_study(groups, train_args, a.jobs, a.graph)
     elif a.what == "report":
         for group in STUDY:
-            study_report(group)
+            study_report(group, ["--graph"] if a.graph else ())
     elif a.what == "plot":
         plot_study()
         if any(r.get("config") == "configs/study_long.py" for r in json.load(open(STUDY_FILE)).values()):

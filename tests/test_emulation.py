@@ -74,32 +74,43 @@ def test_sites_narrow_the_compression():
     assert [site_of(n) for n in ("h.0.attn.qkv", "h.5.mlp.proj", "wte", "lm_head")] == ["attn", "mlp", "ends", "ends"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_replay_equals_eager():
-    """lab.emulate --graph: the captured forward/backward replayed gives the eager run's losses and
-    weights bit for bit (bf16 autocast, hint8 on every all-reduce, TP=4 emulated, a new batch
-    every step, AdamW and gradient clipping as train.py does them)."""
+def _graph_or_eager_steps(graph, steps=6):
+    """Losses, and the first step's gradients, of a small emulated model (bf16 autocast, hint8 on every
+    all-reduce, TP=4 emulated, a new batch every step, AdamW and gradient clipping as train.py does)."""
     from lab.emulate import capture
     cfg = GPTConfig(block_size=64, vocab_size=500, n_layer=2, n_head=4, n_embd=256, bias=True)
-    settings = {"gradient_accumulation_steps": 1, "dtype": "auto", "batch_size": 8, "block_size": 64}
-    runs = []
-    for graph in (False, True):
-        comm = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8")
-        model = emulate_tp(GPT(cfg, comm, seed=3).cuda(), 4, comm)
-        if graph:
-            capture(model, settings)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
-        gen, losses = torch.Generator().manual_seed(7), []
-        for _ in range(6):
-            x, y = (torch.randint(0, cfg.vocab_size, (8, 64), generator=gen).cuda() for _ in range(2))
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
-    (eager_losses, eager_w), (graph_losses, graph_w) = runs
-    assert graph_losses == eager_losses
-    assert all(torch.equal(a, b) for a, b in zip(eager_w, graph_w))
+    comm = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8")
+    model = emulate_tp(GPT(cfg, comm, seed=3).cuda(), 4, comm)
+    if graph:
+        capture(model, {"gradient_accumulation_steps": 1, "dtype": "auto", "batch_size": 8, "block_size": 64})
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    gen, losses, first = torch.Generator().manual_seed(7), [], None
+    for _ in range(steps):
+        x, y = (torch.randint(0, cfg.vocab_size, (8, 64), generator=gen).cuda() for _ in range(2))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        first = first or {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, first
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_matches_eager():
+    """lab.emulate --graph against eager: the eager emulation is deterministic (two runs, bit for
+    bit); the replayed forward is the eager one (the first loss, bit for bit), and so are the
+    weight-matrix gradients, while the bias gradients (a sum over rows in bf16) may round
+    differently by a bf16 unit in the last place — so graph runs are not bit-identical to eager
+    ones, and the study keys them apart; the next losses then drift by rounding only."""
+    (eager, eg), (again, ag), (graph, gg) = (_graph_or_eager_steps(g) for g in (False, False, True))
+    assert eager == again and all(torch.equal(eg[n], ag[n]) for n in eg)
+    assert graph[0] == eager[0]
+    for n, g in eg.items():
+        if n.endswith("bias"):
+            assert (gg[n] - g).abs().max() <= g.abs().max() * 2.0 ** -7, n
+        else:
+            assert torch.equal(gg[n], g), n
+    assert all(abs(a - b) <= 3e-4 * abs(a) for a, b in zip(eager, graph))
