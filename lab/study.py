@@ -260,9 +260,10 @@ def plot_study(config="configs/study.py", path=os.path.join(RESULTS, "study.png"
     for r in sorted(done.values(), key=lambda r: r["codec"]):
         if r["tp"] == 8 and r["codec"] != "none" and r["curve"] and r["seed"] in ref:
             pts = [(i, loss - ref[r["seed"]][i]) for i, loss in r["curve"] if i in ref[r["seed"]]]
-            ax.plot(*zip(*pts), label=f"{r['codec']} seed {r['seed']}", lw=1,
-                    color={"taco": "C3", "hint8": "C1", "hint6": "C2"}.get(r["codec"], "C4"),
-                    ls=["-", "--", ":"][r["seed"] % 3])
+            variant = "@" in r["codec"]                           # a part compressed: dash-dot, thicker
+            ax.plot(*zip(*pts), label=f"{r['codec']} seed {r['seed']}", lw=1.8 if variant else 1,
+                    color={"taco": "C3", "hint8": "C1", "hint6": "C2"}.get(r["codec"].split("@")[0], "C4"),
+                    ls="-." if variant else ["-", "--", ":"][r["seed"] % 3])
     ax.axhline(0, color="k", lw=0.8)
     ax.set(xlabel="step", ylabel="train loss minus none (same seed)", title="TP=8 emulated: the gap during training")
     save_figure(fig, [ax], path)
