@@ -39,7 +39,9 @@ Wire format: one uint8 buffer per message,
     [ payload: nblocks * B * bits/8 bytes ][ per-block fp32 metadata: (alpha_k, s_k) ][ tensor scale ]
 
 so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nmeta*4: pointer
-arithmetic, no index. A message is self-contained: it can be sent, stored and decoded alone.
+arithmetic, no index. A rotated block's codes are in lane order (lane_order: the order the kernels
+hold them after the transform), which only the rotation undoes, so encode and decode save a layout
+change. A message is self-contained: it can be sent, stored and decoded alone.
 
 Non-finite input: a block containing NaN or +-Inf is marked bad: its codes are 0 and its scale
 is NaN, so it decodes to NaN. Nothing non-finite is ever silently turned into a finite number.
@@ -121,18 +123,27 @@ CODECS = {
 # -----------------------------------------------------------------------------
 # building blocks shared by every codec (the CUDA kernels do the same arithmetic in the same order)
 
-def fwht(x):
+def fwht(x, reverse=False):
     """Unnormalised Walsh-Hadamard transform over the last dim (a power of two), in place order:
-    butterflies (a, b) -> (a + b, a - b) with stride 1, 2, 4, ... (the kernel's order)."""
+    butterflies (a, b) -> (a + b, a - b) with stride 1, 2, 4, ... (reverse: ..., 4, 2, 1). Encode
+    runs it forward and decode in reverse, the kernels' orders (the same H, rounded differently)."""
     B = x.shape[-1]
     lead = x.shape[:-1]
-    h = 1
-    while h < B:
+    strides = [1 << i for i in range(B.bit_length() - 1)]
+    for h in reversed(strides) if reverse else strides:
         x = x.reshape(*lead, B // (2 * h), 2, h)
         a, b = x[..., 0, :], x[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2)
-        h *= 2
     return x.reshape(*lead, B)
+
+
+def lane_order(x, inverse=False):
+    """A rotated block's codes are stored in the order the kernels hold them after the transform:
+    position (B/32) u + m holds element u + 32 m (lane u, register m), so that encode writes and
+    decode reads each lane's codes as one word. inverse: payload order -> element order."""
+    B = x.shape[-1]
+    shape = (32, B // 32) if inverse else (B // 32, 32)
+    return x.reshape(*x.shape[:-1], *shape).transpose(-1, -2).reshape(x.shape)
 
 
 def block_sumsq(g):
@@ -306,7 +317,8 @@ class Codec:
                 s = s[:, 0]
         else:
             y = g * cb
-        # === Eq. 10: codes ===
+        # === Eq. 10: codes (of a rotated block in the kernels' lane order) ===
+        y = lane_order(y) if rot else y
         if sp.scale == "none" and not sp.adaptive:                 # raw cast: NaN per element
             nonfinite = ~torch.isfinite(y)
             q = quantize(torch.where(nonfinite, torch.zeros_like(y), y), sp.fmt)
@@ -357,7 +369,7 @@ class Codec:
             big = (s > 2.0 ** 100) if sp.rotate and not rotated else None
             y = y * (s if big is None else torch.where(big, s * 2.0 ** -64, s))
         if sp.rotate and not rotated:
-            y = fwht(y) * self.c
+            y = fwht(lane_order(y, inverse=True), reverse=True) * self.c
             if big is not None:
                 y = torch.where(big, y * 2.0 ** 64, y)
         if sp.adaptive:

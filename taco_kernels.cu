@@ -5,14 +5,16 @@
 // A block is read from global memory once and written once.
 //
 // Where each lane keeps its 8 elements of a block (an element's index in the block is b7..b0):
-//   layout A: lane = b7..b3,          register = b2 b1 b0   (8 consecutive elements: global I/O)
+//   layout A: lane = b7..b3,          register = b2 b1 b0   (8 consecutive elements: the tensor's I/O)
 //   layout B: lane = b7 b6 | b2 b1 b0, register = b5 b4 b3
-//   layout C: lane = b4..b0,          register = b7 b6 b5
-// The Walsh-Hadamard butterflies run in the reference's order, strides 1, 2, 4 in layout A,
-// 8, 16, 32 in B and 64, 128 in C, every one between two registers of one lane. The layouts change
-// through a per-block shared-memory buffer (A -> B -> C, then back to A as bytes for the codes or as
-// floats for the decoded values), padded so that no access has a bank conflict. (Warp shuffles for
-// strides 8..128 would cost 40 per lane and block; docs/KERNELS.md has the comparison.)
+//   layout C: lane = b4..b0,          register = b7 b6 b5   (a rotated block's codes: the wire's order)
+// The Walsh-Hadamard butterflies run in the reference's orders, every one between two registers of
+// one lane: encode A -> C, strides 1, 2, 4 in A, 8, 16, 32 in B, 64, 128 in C; decode C -> A, strides
+// 128, 64, 32 in C, 16, 8 in B, 4, 2, 1 in A. The layouts change through a per-block shared-memory
+// buffer, padded so that no access has a bank conflict. A rotated block's codes are stored in layout
+// C's order (taco.lane_order: lane u's 8 codes side by side), so encode ends and decode starts there
+// with no third trip through shared memory. (Warp shuffles for strides 8..128 would cost 40 per lane
+// and block; docs/KERNELS.md has the comparison.)
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
 // fp32 products and sums without FMA contraction (built with -fmad=false), the sum of squares
@@ -192,21 +194,24 @@ __device__ __forceinline__ void get_c(float v[E], const float* sm, int lane) {
   }
 }
 
-// layout C -> shared memory in element order (padded), for get_a
-__device__ __forceinline__ void put_c(const float v[E], float* sm, int lane) {
+// decode runs the two layout changes backwards: each "unget" stores to the words its "get" loads,
+// each "unput" loads the words its "put" stored (the same bank pattern, so no conflicts either)
+__device__ __forceinline__ void unget_c(const float v[E], float* sm, int lane) {
+  float* p = sm + 8 * (lane & 7) + 4 * ((lane & 7) >> 2) + 2 * (lane >> 3);
 #pragma unroll
-  for (int m = 0; m < E; m++) sm[lane + 36 * m] = v[m];
+  for (int k = 0; k < 4; k++) *reinterpret_cast<float2*>(p + 72 * k) = make_float2(v[2 * k], v[2 * k + 1]);
 }
 
-// codes of layout C -> bytes in element order, for get_codes_a
-__device__ __forceinline__ void put_codes_c(const unsigned q[E], float* sm, int lane) {
-  uint8_t* b = reinterpret_cast<uint8_t*>(sm);
-#pragma unroll
-  for (int m = 0; m < E; m++) b[lane + 32 * m] = (uint8_t)q[m];
+__device__ __forceinline__ void unput_b(float v[E], const float* sm, int lane) {
+  const float4* w = reinterpret_cast<const float4*>(a_slot(const_cast<float*>(sm), lane));
+  float4 a = w[0], b = w[1];
+  v[0] = a.x; v[4] = a.y; v[1] = a.z; v[5] = a.w; v[2] = b.x; v[6] = b.y; v[3] = b.z; v[7] = b.w;
 }
 
-__device__ __forceinline__ uint2 get_codes_a(const float* sm, int lane) {
-  return *reinterpret_cast<const uint2*>(reinterpret_cast<const uint8_t*>(sm) + 8 * lane);
+__device__ __forceinline__ void unget_b(const float v[E], float* sm, int lane) {
+  float* p = sm + (lane >> 3) * 72 + (lane & 7);
+#pragma unroll
+  for (int j = 0; j < E; j++) p[8 * j + 4 * (j >> 2)] = v[j];
 }
 
 // H (unnormalised) of the N blocks in v, layout A in, layout C out. sm: N buffers of SMW words.
@@ -231,6 +236,31 @@ __device__ __forceinline__ void fwht_a_to_c(float (&v)[N][E], float (*sm)[SMW], 
   for (int k = 0; k < N; k++) {
     get_c(v[k], sm[k], lane);
     butterflies<2>(v[k]); butterflies<4>(v[k]);                         // strides 64, 128
+  }
+}
+
+// H of the N blocks in v in the decode order, layout C in, layout A out
+template <int N>
+__device__ __forceinline__ void fwht_c_to_a(float (&v)[N][E], float (*sm)[SMW], int lane) {
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    butterflies<4>(v[k]); butterflies<2>(v[k]); butterflies<1>(v[k]);   // strides 128, 64, 32
+    unget_c(v[k], sm[k], lane);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    unput_b(v[k], sm[k], lane);
+    butterflies<2>(v[k]); butterflies<1>(v[k]);                         // strides 16, 8
+  }
+  __syncwarp();                                                         // all reads of C's words done
+#pragma unroll
+  for (int k = 0; k < N; k++) unget_b(v[k], sm[k], lane);
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    get_a(v[k], sm[k], lane);
+    butterflies<4>(v[k]); butterflies<2>(v[k]); butterflies<1>(v[k]);   // strides 4, 2, 1
   }
 }
 
@@ -488,27 +518,14 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
     }
   }
 
+  // a lane's 8 codes side by side: element order (layout A) or, rotated, the wire's lane order (C)
   const int pb = payload_bytes<FMT>();
-  if (ROT) {                          // codes are in layout C: back to element order through shared memory
-    __syncwarp();                     // every lane is done reading the layout-B words
 #pragma unroll
-    for (int k = 0; k < N; k++) put_codes_c(q[k], sm[k], lane);
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-      if (k < nk) {
-        const uint2 w = get_codes_a(sm[k], lane);
-        write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : w.x, bad[k] ? 0u : w.y);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-      if (k < nk) {
-        const unsigned lo = __byte_perm(__byte_perm(q[k][0], q[k][1], 0x0040), __byte_perm(q[k][2], q[k][3], 0x0040), 0x5410);
-        const unsigned hi = __byte_perm(__byte_perm(q[k][4], q[k][5], 0x0040), __byte_perm(q[k][6], q[k][7], 0x0040), 0x5410);
-        write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : lo, bad[k] ? 0u : hi);
-      }
+  for (int k = 0; k < N; k++) {
+    if (k < nk) {
+      const unsigned lo = __byte_perm(__byte_perm(q[k][0], q[k][1], 0x0040), __byte_perm(q[k][2], q[k][3], 0x0040), 0x5410);
+      const unsigned hi = __byte_perm(__byte_perm(q[k][4], q[k][5], 0x0040), __byte_perm(q[k][6], q[k][7], 0x0040), 0x5410);
+      write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : lo, bad[k] ? 0u : hi);
     }
   }
 
@@ -531,8 +548,9 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 
 // --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) (sm: unused without ROT)
 
-// r: the blocks' codes; v: out, layout A if TO_A else (with ROT) layout C
-template <int FMT, bool ROT, bool SCALE, int N, bool TO_A>
+// r: the blocks' codes (rotated: in layout C); v: out, layout A. OUT: v is the output (saturated);
+// else the reduce step's values, which are never rotated
+template <int FMT, bool ROT, bool SCALE, int N, bool OUT>
 __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E], int lane, const TacoParams& p,
                                               float (*sm)[SMW]) {
   bool fast[N], big[N];
@@ -549,11 +567,11 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
       const float s = big[k] ? r[k].s * 0x1p-64f : r[k].s;
       const float pre = fast[k] ? s * C : s;
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = !ROT && TO_A ? saturate(v[k][j] * pre) : v[k][j] * pre;
+      for (int j = 0; j < E; j++) v[k][j] = !ROT && OUT ? saturate(v[k][j] * pre) : v[k][j] * pre;
     }
   }
   if (ROT) {
-    fwht_a_to_c<N>(v, sm, lane);
+    fwht_c_to_a<N>(v, sm, lane);
 #pragma unroll
     for (int k = 0; k < N; k++) {
       // decoded values saturate at fp32's largest (16-bit outputs: in their conversion): only a
@@ -573,15 +591,7 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
 #pragma unroll
     for (int k = 0; k < N; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = TO_A ? saturate(v[k][j] * ia[k]) : v[k][j] * ia[k];
-  }
-  if (ROT && TO_A) {
-    __syncwarp();                     // every lane is done reading the layout-B words
-#pragma unroll
-    for (int k = 0; k < N; k++) put_c(v[k], sm[k], lane);
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < N; k++) get_a(v[k], sm[k], lane);
+      for (int j = 0; j < E; j++) v[k][j] = OUT ? saturate(v[k][j] * ia[k]) : v[k][j] * ia[k];
   }
 }
 
