@@ -310,7 +310,9 @@ class Codec:
             # y = Z / s without forming Z (which can pass fp32's max when H(x) does): g * (cb / s),
             # exact like (g * cb) / s; for tiny blocks (cb / s could overflow) in that order
             tiny = m < 2.0 ** -80 / B
-            y = torch.where(tiny[..., None], (g * cb) * inv[..., None], g * (inv * cb)[..., None])
+            gt, mul = torch.where(tiny[..., None], g * cb, g), torch.where(tiny, inv, inv * cb)[..., None]
+            # integer codes round the exact product (fp64 holds it; the kernels use one fma)
+            y = gt.double() * mul.double() if sp.fmt.startswith("int") else gt * mul
             if sp.scale == "tensor":
                 tbad = bad.any(dim=-1)
                 bad |= tbad[:, None]

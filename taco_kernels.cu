@@ -18,8 +18,9 @@
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
 // fp32 products and sums without FMA contraction (built with -fmad=false), the sum of squares
-// folded in the reference's order, IEEE division and sqrt. That makes the codes bit-identical to
-// the PyTorch reference. Two shortcuts are exact and guarded (see encode / decode): 1/sqrt(B) =
+// folded in the reference's order, IEEE division and sqrt; the one fused multiply-add is the
+// integer codes' rounding of the exact product Z * (1/s), which the reference takes in fp64. That
+// makes the codes bit-identical to the PyTorch reference. Two shortcuts are exact and guarded (see encode / decode): 1/sqrt(B) =
 // 1/16 is a power of two, so it is folded into the block's scale where no value can be subnormal
 // or overflow; integers are rounded with the 1.5 * 2^23 trick and converted back the same way.
 //
@@ -96,8 +97,24 @@ __device__ __forceinline__ void load8(const void* x, int dt, long long n, long l
   }
 }
 
-// round to nearest even, a low; saturating: a finite value past the type's largest rounds to it
-// (not to Inf), NaN stays NaN (the reference clamps to the largest finite value before its cast)
+// The 16-bit inputs of N blocks from this lane's element i0 on, zeros past the last block (nk: the
+// blocks there are). A whole group inside the tensor, from a 16-byte aligned x: N loads from one
+// address (the per-block bounds and alignment tests cost more instructions than the load).
+template <int N>
+__device__ __forceinline__ void fetch_group(uint4 (&u)[N], const void* x, bool aligned, long long n, long long i0,
+                                            long long nk) {
+  if (aligned && nk >= N && i0 + (N - 1) * B + E <= n) {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + i0);
+#pragma unroll
+    for (int k = 0; k < N; k++) u[k] = __ldg(p + k * (B / 8));
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; k++) u[k] = k < nk ? fetch16(x, n, i0 + k * B) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// round to nearest even, a low; saturating: a value past the type's largest, Inf included, becomes
+// it, NaN stays NaN (the reference clamps to the largest finite value before its cast)
 __device__ __forceinline__ unsigned pack2(float a, float b, int dt) {
   unsigned d;
   if (dt == TACO_BF16) asm("cvt.rn.satfinite.bf16x2.f32 %0, %2, %1;" : "=r"(d) : "f"(a), "f"(b));
@@ -106,9 +123,12 @@ __device__ __forceinline__ unsigned pack2(float a, float b, int dt) {
 }
 
 __device__ __forceinline__ float saturate(float v) {     // to fp32's largest finite value; NaN stays NaN
-  return v > 3.40282347e38f ? 3.40282347e38f : (v < -3.40282347e38f ? -3.40282347e38f : v);
+  float d;
+  asm("max.NaN.f32 %0, %1, 0fFF7FFFFF;\n\tmin.NaN.f32 %0, %0, 0f7F7FFFFF;" : "=f"(d) : "f"(v));
+  return d;
 }
 
+// 8 values to out's elements i0 .. i0 + 7, those below n
 __device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float v[E]) {
   if (dt == TACO_F32) {
     float* p = static_cast<float*>(out) + i0;
@@ -132,6 +152,31 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
       for (int j = 0; j < E; j++)
         if (i0 + j < n) p[j] = (unsigned short)(w[j / 2] >> (16 * (j & 1)));
     }
+  }
+}
+
+// N blocks' values from this lane's element i0 on, nk of them real: a whole group inside the tensor,
+// to a 16-byte aligned out, from one address (as fetch_group)
+template <int N>
+__device__ __forceinline__ void store_group(void* out, int dt, bool aligned, long long n, long long i0, int nk,
+                                            const float (&v)[N][E]) {
+  if (!(aligned && nk >= N && i0 + (N - 1) * B + E <= n)) {
+#pragma unroll
+    for (int k = 0; k < N; k++)
+      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
+  } else if (dt == TACO_F32) {
+    float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i0);
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+      p[k * (B / 4)] = make_float4(v[k][0], v[k][1], v[k][2], v[k][3]);
+      p[k * (B / 4) + 1] = make_float4(v[k][4], v[k][5], v[k][6], v[k][7]);
+    }
+  } else {
+    uint4* p = reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + i0);
+#pragma unroll
+    for (int k = 0; k < N; k++)
+      p[k * (B / 8)] = make_uint4(pack2(v[k][0], v[k][1], dt), pack2(v[k][2], v[k][3], dt),
+                                  pack2(v[k][4], v[k][5], dt), pack2(v[k][6], v[k][7], dt));
   }
 }
 
@@ -280,6 +325,33 @@ __device__ __forceinline__ unsigned absmax_bits(const float v[E]) {
   return __reduce_max_sync(FULL, __float_as_uint(m));
 }
 
+// The sums over the warp of each lane's x[k], folded in the reference's order (lane i adds lane
+// i ^ 16, then i ^ 8, ...), N blocks at once: at each of the first log2(N) steps a lane keeps the half
+// of its blocks whose index bit matches its lane bit and adds its partner's copies, sending the other
+// half, so N - 1 + 5 - log2(N) shuffles in all instead of 5 N. Returns the sum of block
+// lane / (32 / N), as every lane holding it has it.
+template <int N>
+__device__ __forceinline__ float block_sums(const float (&x)[N], int lane) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N: a power of two");
+  float t[N];
+#pragma unroll
+  for (int k = 0; k < N; k++) t[k] = x[k];
+#pragma unroll
+  for (int m = 16, c = N; m >= 1; m >>= 1, c = c > 1 ? c / 2 : 1) {
+    if (c > 1) {
+      const bool up = lane & m;
+#pragma unroll
+      for (int i = 0; i < c / 2; i++) {
+        const float keep = up ? t[i + c / 2] : t[i], send = up ? t[i] : t[i + c / 2];
+        t[i] = keep + __shfl_xor_sync(FULL, send, m);
+      }
+    } else {
+      t[0] = t[0] + __shfl_xor_sync(FULL, t[0], m);
+    }
+  }
+  return t[0];
+}
+
 // Per-block scalars (alpha, s, 1/s: IEEE sqrt and divisions, a dozen instructions each) are
 // computed once per block, not by all 32 lanes: lane k takes block k's, then a shuffle per block
 // gives every lane the values.
@@ -299,23 +371,15 @@ __device__ __forceinline__ void lane_spread(float mine, float (&x)[N]) {      //
 
 // --- codes ----------------------------------------------------------------------------------------
 
-// q[j]'s low byte = the code of y[j] (INT6: its low 6 bits). y finite or (fp8 only) saturated.
-template <int FMT, bool CLAMP>
-__device__ __forceinline__ void quant8(const float y[E], unsigned q[E], float qmax) {
-  if (FMT == TACO_INT8 || FMT == TACO_INT6) {
+// q[j]'s low byte = the fp8 code of y[j], saturating: the same codes as clamp(+-qmax) then cast
+template <int FMT>
+__device__ __forceinline__ void quant_fp8(const float y[E], unsigned q[E]) {
 #pragma unroll
-    for (int j = 0; j < E; j++) {   // |y| < qmax + 1/2 after a block scale: the clamp changes nothing
-      float c = CLAMP ? fminf(fmaxf(y[j], -qmax), qmax) : y[j];
-      q[j] = __float_as_uint(c + MAGIC);   // round half to even, like torch.round; two's complement
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < E; j += 2) {       // saturating: the same codes as clamp(+-qmax) then cast
-      __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(y[j], y[j + 1]), __NV_SATFINITE,
-                                                        FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2);
-      q[j] = r & 0xffu;
-      q[j + 1] = r >> 8;
-    }
+  for (int j = 0; j < E; j += 2) {
+    __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(y[j], y[j + 1]), __NV_SATFINITE,
+                                                      FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2);
+    q[j] = r & 0xffu;
+    q[j + 1] = r >> 8;
   }
 }
 
@@ -344,25 +408,30 @@ struct Raw {
   float s, alpha;
 };
 
-template <int FMT>
-__device__ __forceinline__ Raw load_raw(const uint8_t* msg, long long lb, long long nbs, int lane,
-                                        const TacoParams& p) {
-  Raw r;
-  const uint8_t* blk = msg + lb * payload_bytes<FMT>();
-  if (FMT == TACO_INT6) {
-    const unsigned short* src = reinterpret_cast<const unsigned short*>(blk + 6 * lane);
-    unsigned a = src[0], b = src[1], c = src[2];
-    r.lo = a | ((b & 0xff) << 16);
-    r.hi = (b >> 8) | (c << 8);
-  } else {
-    uint2 u = *reinterpret_cast<const uint2*>(blk + 8 * lane);
-    r.lo = u.x;
-    r.hi = u.y;
+// blocks first .. first + nk - 1 of a message of nbs blocks (the rest of r: block first again); the
+// addresses from two pointers and 32-bit offsets
+template <int FMT, int N>
+__device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, long long first, int nk, long long nbs,
+                                           int lane, const TacoParams& p) {
+  const int pb = payload_bytes<FMT>();
+  const uint8_t* blk = msg + first * pb + (FMT == TACO_INT6 ? 6 : 8) * lane;
+  const float* meta = reinterpret_cast<const float*>(msg + nbs * pb) + first * p.nmeta;
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    const int kk = k < nk ? k : 0;
+    if (FMT == TACO_INT6) {
+      const unsigned short* src = reinterpret_cast<const unsigned short*>(blk + kk * pb);
+      unsigned a = src[0], b = src[1], c = src[2];
+      r[k].lo = a | ((b & 0xff) << 16);
+      r[k].hi = (b >> 8) | (c << 8);
+    } else {
+      uint2 u = *reinterpret_cast<const uint2*>(blk + kk * pb);
+      r[k].lo = u.x;
+      r[k].hi = u.y;
+    }
+    r[k].s = p.scale_block ? meta[kk * p.nmeta + p.nmeta - 1] : 1.f;
+    r[k].alpha = p.adaptive ? meta[kk * p.nmeta] : 1.f;
   }
-  const float* meta = reinterpret_cast<const float*>(msg + nbs * payload_bytes<FMT>()) + lb * p.nmeta;
-  r.s = p.scale_block ? meta[p.nmeta - 1] : 1.f;
-  r.alpha = p.adaptive ? meta[0] : 1.f;
-  return r;
 }
 
 // codes -> values, layout A. Integers come back exactly: the code, biased to be non-negative, as the
@@ -418,28 +487,27 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 #pragma unroll
       for (int j = 1; j < E; j++) ss[k] = ss[k] + v[k][j] * v[k][j];
     }
+    const float tot = block_sums<N>(ss, lane);
+    const float ss_mine = __shfl_sync(FULL, tot, lane * (32 / N));
+    // |x| ~> 1e19 overflows the squares: sigma of x * 2^-80, times 2^80 (a warp-uniform branch); a
+    // block with NaN/Inf stays non-finite there too, and is bad
+    float sg = -1.f;
+    if (__any_sync(FULL, !isfinite(tot))) {
+      float s2[N];
 #pragma unroll
-    for (int m = 16; m >= 1; m >>= 1)            // the reference's order: lanes i and i^16, then ^8, ...
+      for (int k = 0; k < N; k++) {
+        s2[k] = (v[k][0] * 0x1p-80f) * (v[k][0] * 0x1p-80f);
 #pragma unroll
-      for (int k = 0; k < N; k++) ss[k] = ss[k] + __shfl_xor_sync(FULL, ss[k], m);
-    // |x| ~> 1e19 overflows the squares: sigma of x * 2^-80, times 2^80 (a warp-uniform branch per
-    // block); a block with NaN/Inf stays non-finite there too, and is bad
-    float sig[N];
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-      sig[k] = -1.f;
-      if (!isfinite(ss[k])) {
-        float s2 = (v[k][0] * 0x1p-80f) * (v[k][0] * 0x1p-80f);
-#pragma unroll
-        for (int j = 1; j < E; j++) s2 = s2 + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
-#pragma unroll
-        for (int m = 16; m >= 1; m >>= 1) s2 = s2 + __shfl_xor_sync(FULL, s2, m);
-        bad[k] = !isfinite(s2);
-        sig[k] = sqrtf(s2 * (1.0f / B)) * 0x1p80f;
+        for (int j = 1; j < E; j++) s2[k] = s2[k] + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
       }
+      const float t2 = block_sums<N>(s2, lane);
+      const unsigned nonfinite = __ballot_sync(FULL, !isfinite(t2));
+#pragma unroll
+      for (int k = 0; k < N; k++) bad[k] = (nonfinite >> (k * (32 / N))) & 1u;
+      const float s2_mine = __shfl_sync(FULL, t2, lane * (32 / N));
+      sg = isfinite(ss_mine) ? -1.f : sqrtf(s2_mine * (1.0f / B)) * 0x1p80f;
     }
-    const float sg = lane_pick<N>(sig, lane);
-    alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(lane_pick<N>(ss, lane) * (1.0f / B) + p.eps));
+    alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(ss_mine * (1.0f / B) + p.eps));
     lane_spread<N>(alpha_mine, alpha);
 #pragma unroll
     for (int k = 0; k < N; k++) {
@@ -461,10 +529,12 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
     fwht_a_to_c<N>(v, sm, lane);
   }
 
-  // === Eq. 9: s = max|Z| / Qmax;  Eq. 10: codes of Z / s ===
-  float s_mine = 1.f;
+  // === Eq. 9: s = max|Z| / Qmax;  Eq. 10: codes of Z / s, as Z * (1 / s) ===
+  constexpr bool INT = FMT == TACO_INT8 || FMT == TACO_INT6;
+  static_assert(SCALE || !INT, "integer codes need a block scale");
+  float s_mine = 1.f, mul[N];
   if (SCALE) {
-    float m[N], mul[N];
+    float m[N];
 #pragma unroll
     for (int k = 0; k < N; k++) {
       const unsigned mb = absmax_bits(v[k]);
@@ -493,10 +563,12 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
       s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
       lane_spread<N>(1.f / (s_mine > 0.f ? s_mine : 1.f), mul);
     }
+    if (!INT) {                                      // integers: the product is taken in the rounding
 #pragma unroll
-    for (int k = 0; k < N; k++)
+      for (int k = 0; k < N; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
+    }
   } else if (ROT) {
 #pragma unroll
     for (int k = 0; k < N; k++)
@@ -504,13 +576,19 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
       for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
   }
 
-  // codes (a bad block's are zeroed below, as whole words); without a block scale, integer codes
-  // are clamped to +-Qmax (fp8 saturates in the conversion)
+  // codes (a bad block's are zeroed below, as whole words). Integers: the exact product Z * (1 / s)
+  // rounded half to even, in one FMA (+ 1.5 * 2^23: the integer in the low mantissa bits; |Z / s| <=
+  // Qmax, so two's complement in the low byte)
   const bool raw = !p.adaptive && !SCALE;            // plain cast: a NaN code per non-finite element
   unsigned q[N][E];
 #pragma unroll
   for (int k = 0; k < N; k++) {
-    quant8<FMT, !SCALE>(v[k], q[k], p.qmax);
+    if (INT) {
+#pragma unroll
+      for (int j = 0; j < E; j++) q[k][j] = __float_as_uint(__fmaf_rn(v[k][j], mul[k], MAGIC));
+    } else {
+      quant_fp8<FMT>(v[k], q[k]);
+    }
     if (raw) {
 #pragma unroll
       for (int j = 0; j < E; j++)
@@ -548,11 +626,12 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 
 // --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) (sm: unused without ROT)
 
-// r: the blocks' codes (rotated: in layout C); v: out, layout A. OUT: v is the output (saturated);
-// else the reduce step's values, which are never rotated
-template <int FMT, bool ROT, bool SCALE, int N, bool OUT>
+// r: the blocks' codes (rotated: in layout C); v: out, layout A. sat: saturate the results at fp32's
+// largest finite value, as the reference does at its end (fp32 outputs; 16-bit outputs saturate in
+// their conversion, and the reduce step's sums must not)
+template <int FMT, bool ROT, bool SCALE, int N>
 __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E], int lane, const TacoParams& p,
-                                              float (*sm)[SMW]) {
+                                              float (*sm)[SMW], bool sat) {
   bool fast[N], big[N];
 #pragma unroll
   for (int k = 0; k < N; k++) {
@@ -567,19 +646,17 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
       const float s = big[k] ? r[k].s * 0x1p-64f : r[k].s;
       const float pre = fast[k] ? s * C : s;
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = !ROT && OUT ? saturate(v[k][j] * pre) : v[k][j] * pre;
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
     }
   }
   if (ROT) {
     fwht_c_to_a<N>(v, sm, lane);
 #pragma unroll
     for (int k = 0; k < N; k++) {
-      // decoded values saturate at fp32's largest (16-bit outputs: in their conversion): only a
-      // huge block's last factor or 1 / alpha can carry a finite value past it
       if (!fast[k] || big[k]) {
         const float post = big[k] ? 0x1p64f : C;
 #pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = big[k] ? saturate(v[k][j] * post) : v[k][j] * post;
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * post;
       }
     }
   }
@@ -591,7 +668,13 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
 #pragma unroll
     for (int k = 0; k < N; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = OUT ? saturate(v[k][j] * ia[k]) : v[k][j] * ia[k];
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * ia[k];
+  }
+  if (sat) {
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = saturate(v[k][j]);
   }
 }
 
@@ -625,10 +708,8 @@ __global__ void __launch_bounds__(32 * WARPS, 3) encode_kernel(const void* x, in
   if (first >= nbs) return;                    // the whole warp: no lane waits at a __syncwarp
   const bool ahead = PREFETCH && dt != TACO_F32;   // 16-bit inputs: 16 bytes per lane and block
   uint4 pre[K];
-  if (ahead) {
-#pragma unroll
-    for (int k = 0; k < K; k++) pre[k] = first + k < nbs ? fetch16(x, n, base + (first + k) * B) : make_uint4(0, 0, 0, 0);
-  }
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15) == 0;   // then so is every lane's first element
+  if (ahead) fetch_group<K>(pre, x, aligned, n, base + first * B, nbs - first);
   for (;;) {
     const int nk = (int)min((long long)K, nbs - first);
     float v[K][E];
@@ -641,10 +722,7 @@ __global__ void __launch_bounds__(32 * WARPS, 3) encode_kernel(const void* x, in
         for (int j = 0; j < E; j++) v[k][j] = 0.f;
     }
     const long long next = first + step;
-    if (ahead && next < nbs) {
-#pragma unroll
-      for (int k = 0; k < K; k++) pre[k] = next + k < nbs ? fetch16(x, n, base + (next + k) * B) : make_uint4(0, 0, 0, 0);
-    }
+    if (ahead && next < nbs) fetch_group<K>(pre, x, aligned, n, base + next * B, nbs - next);
     encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, out + msg * p.S, first, nbs, smem[warp]);
     if (next >= nbs) break;
     first = next;
@@ -669,26 +747,24 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
   int nk = blocks_at(first);
   if (nk == 0) return;
   const uint8_t* m = message(buf, msg, p.S);
+  const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15) == 0;   // then so is every lane's first element
   Raw r[K];
-#pragma unroll
-  for (int k = 0; k < K; k++) r[k] = load_raw<FMT>(m, k < nk ? first + k : first, nbs, lane, p);
+  load_group<FMT>(r, m, first, nk, nbs, lane, p);
   for (;;) {
     const long long next = first + step;
     const int nk_next = blocks_at(next);       // 0 unless the grid was capped (decode_ahead)
     Raw rn[K];
-    if (decode_ahead<FMT>() && nk_next) {
-#pragma unroll
-      for (int k = 0; k < K; k++) rn[k] = load_raw<FMT>(m, k < nk_next ? next + k : next, nbs, lane, p);
-    }
+    if (decode_ahead<FMT>() && nk_next) load_group<FMT>(rn, m, next, nk_next, nbs, lane, p);
     float v[K][E];
-    decode_blocks<FMT, ROT, SCALE, K, true>(r, v, lane, p, smem[warp]);
-    const long long i0 = msg * p.L + first * B + lane * E;
-#pragma unroll
-    for (int k = 0; k < K; k++)
-      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
+    decode_blocks<FMT, ROT, SCALE, K>(r, v, lane, p, smem[warp], dt == TACO_F32);
+    store_group<K>(out, dt, aligned, n, msg * p.L + first * B + lane * E, nk, v);
     if (!nk_next) break;
+    if (decode_ahead<FMT>()) {
 #pragma unroll
-    for (int k = 0; k < K; k++) r[k] = decode_ahead<FMT>() ? rn[k] : load_raw<FMT>(m, k < nk_next ? next + k : next, nbs, lane, p);
+      for (int k = 0; k < K; k++) r[k] = rn[k];
+    } else {
+      load_group<FMT>(r, m, next, nk_next, nbs, lane, p);
+    }
     first = next;
     nk = nk_next;
     __syncwarp();                              // this group's shared-memory reads are done
@@ -708,15 +784,10 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
   const int nk = (int)min((long long)KR, nbs - first);
   float acc[KR][E], v[KR][E];
   Raw r[KR], next[KR];
-#pragma unroll
-  for (int k = 0; k < KR; k++) r[k] = load_raw<FMT>(message(buf, 0, p.S), k < nk ? first + k : first, nbs, lane, p);
+  load_group<FMT>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
   for (int i = 0; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
-    if (i + 1 < P) {                          // the next message's loads go out before this one's math
-#pragma unroll
-      for (int k = 0; k < KR; k++)
-        next[k] = load_raw<FMT>(message(buf, i + 1, p.S), k < nk ? first + k : first, nbs, lane, p);
-    }
-    decode_blocks<FMT, false, SCALE, KR, false>(r, v, lane, p, nullptr);
+    if (i + 1 < P) load_group<FMT>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);   // loads before math
+    decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
 #pragma unroll
     for (int k = 0; k < KR; k++)
 #pragma unroll

@@ -547,6 +547,24 @@ def test_integer_codes_round_half_to_even():
         assert got.tolist() == [float(round(v)) for v in yy.tolist()], fmt
 
 
+def test_integer_codes_round_the_exact_product():
+    """An INT code is round(Z * (1/s)) of the exact product (the kernels: one fma), not of the product
+    rounded to fp32: values whose fp32 product rounds across a half are found, and each is coded as
+    the exact product says."""
+    cd = taco.get_codec("hint8")
+    inv = 1.0 / cd.scale_of(torch.tensor([1.0]))                  # 1/s of a block whose absmax is 1
+    mids = ((torch.arange(1, 120) + 0.5) / inv).float()            # the values whose code is a half
+    near = (mids.view(torch.int32)[:, None] + torch.arange(-40, 41)).reshape(-1).view(torch.float32)
+    exact, rounded = torch.round(near.double() * inv.double()), torch.round(near * inv).double()
+    pick = exact != rounded
+    assert pick.sum() >= 20                                        # the case exists, often
+    x = torch.zeros(256)
+    x[0], x[1:1 + int(pick.sum())] = 1.0, near[pick][:255]
+    codes = cd._encode_ref(x, 1, 256, rotated=True)[0, :256].view(torch.int8)   # no rotation: y = x / s
+    n = int(pick.sum())
+    assert codes[0] == 127 and codes[1:1 + n].tolist() == exact[pick][:255].tolist()
+
+
 def test_e4m3_codes_round_to_nearest_even_at_every_midpoint():
     """quantize() to E4M3 (taco, ds, fp8, ...): every midpoint between two neighbouring values goes
     to the one whose code is even (mantissa LSB 0); just above or below it, to the nearer one."""

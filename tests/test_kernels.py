@@ -88,6 +88,24 @@ def test_reduce_encode_bit_exact(name, P):
     assert torch.equal(ker.cpu(), ref)
 
 
+def test_decode_saturates_like_the_reference():
+    """Values past the output type's largest become it, fp32 overflows included (16-bit outputs
+    saturate in their conversion): messages whose alpha is so small that 1/alpha carries the decoded
+    values past fp32's max, or is itself Inf."""
+    for name in [n for n in KERNEL_CODECS if taco.get_codec(n).spec.adaptive]:
+        cd = taco.get_codec(name)
+        L, nb = 4096, 16
+        buf = cd._encode_ref(inputs(L, torch.float32, 7) * 10, 1, L)
+        pay = nb * 256 * cd.bits // 8
+        meta = buf[0, pay:pay + nb * cd.nmeta * 4].view(torch.float32).view(nb, cd.nmeta)
+        meta[:8, 0] = 2e-38                                   # 1/alpha = 5e37: |y| > 6.8 overflows
+        meta[8:12, 0] = 1e-41                                 # 1/alpha = Inf
+        for odt in DTYPES:
+            ref = cd.decode(buf, L, L, odt)
+            assert torch.isinf(cd._decode_ref(buf, L)).any() and not torch.isinf(ref).any()
+            assert same_values(cd.decode(buf.cuda(), L, L, odt).cpu(), ref), (name, odt)
+
+
 def test_decode_writes_into_a_strided_slice_only():
     cd = taco.get_codec("hint8")
     x = inputs(5000, torch.bfloat16, 3).cuda()
