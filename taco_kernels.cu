@@ -441,9 +441,9 @@ __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
   if (FMT == TACO_INT8) {
     const unsigned lo = r.lo ^ 0x80808080u, hi = r.hi ^ 0x80808080u;      // k -> k + 128
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-      v[j] = __uint_as_float(__byte_perm(lo, 0x4B400000u, 0x7650 + j)) - (MAGIC + 128.f);
-      v[j + 4] = __uint_as_float(__byte_perm(hi, 0x4B400000u, 0x7650 + j)) - (MAGIC + 128.f);
+    for (int j = 0; j < 4; j++) {                   // byte j of the codes under the constant's top bytes
+      v[j] = __uint_as_float(__byte_perm(0x4B400000u, lo, 0x3214 + j)) - (MAGIC + 128.f);
+      v[j + 4] = __uint_as_float(__byte_perm(0x4B400000u, hi, 0x3214 + j)) - (MAGIC + 128.f);
     }
   } else if (FMT == TACO_INT6) {
 #pragma unroll
@@ -785,15 +785,17 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
   float acc[KR][E], v[KR][E];
   Raw r[KR], next[KR];
   load_group<FMT>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
-  for (int i = 0; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
-    if (i + 1 < P) load_group<FMT>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);   // loads before math
+  if (P > 1) load_group<FMT>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);   // loads before math
+  decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
+  for (int i = 1; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
+#pragma unroll
+    for (int k = 0; k < KR; k++) r[k] = next[k];
+    if (i + 1 < P) load_group<FMT>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
     decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
 #pragma unroll
     for (int k = 0; k < KR; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) acc[k][j] = i == 0 ? v[k][j] : acc[k][j] + v[k][j];
-#pragma unroll
-    for (int k = 0; k < KR; k++) r[k] = next[k];
+      for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
   }
   encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
 }
