@@ -6,6 +6,7 @@ one GPU (lab/emulate.py), several seeds, paired against the uncompressed run of 
     python -m lab.study report [--graph]  # the tables, from results/study.json (--graph: the run --graph runs)
     python -m lab.study plot              # results/study.png
     python -m lab.study tp-real 2 none,hint8 [--seeds=1] [--config=configs/study_long.py]  # real TP next to emulated
+    python -m lab.study fork hint8 hint8@fwd hint8@attn [--starts=700,1000,1300 --steps=100]  # paired short forks
 
 Every finished run is appended to results/study.json (key: codec, block, TP, seed, extra
 arguments); runs already there are skipped, so a study can span sessions.
@@ -180,6 +181,81 @@ def tp_real(tp, codecs, seeds, extra=(), config="configs/study.py"):
          rows, extra=list(extra), config=config)
     table(rows, ["codec", "seed", "real val", "emulated val", "real vs none", "emulated vs none"])
 
+FORK_FILE = os.environ.get("NANOTACO_FORK_FILE", os.path.join(RESULTS, "study_fork.json"))
+
+
+def fork_study(labels, starts, steps, t=8, config="configs/study_long.py", extra=(), root=os.path.join("out", "fork")):
+    """Attribution by short paired forks, a lower-noise measure than final losses: one uncompressed
+    training (train.py, TP=1) is checkpointed at every start; from each checkpoint every label
+    (variant_args: "hint8", "hint8@fwd", ...) and "none" train `steps` more steps with TP=t emulated,
+    on the same batches (they depend only on the step), and are evaluated once at the end. A
+    label's effect at a start is its validation loss minus the "none" fork's from the same start:
+    the forks share their whole past, so only `steps` steps of divergence add noise, where two full
+    runs decorrelate like two seeds. The forks run in this process (no start-up per fork); each is
+    appended to results/study_fork.json as it finishes, so a study resumes where it stopped."""
+    import shutil
+
+    import checkpoint
+    import train
+    from lab import emulate
+    base = os.path.join(root, "base")
+    for s in sorted(starts):                 # the base, continued from start to start
+        saved = os.path.join(root, "starts", f"iter_{s:08d}")
+        if os.path.exists(os.path.join(saved, "COMPLETE")):
+            continue
+        have = checkpoint.sets(base)
+        cmd = [sys.executable, "train.py", config, "--tp_codec=none", f"--max_iters={s}", "--eval_interval=0",
+               "--ckpt_interval=0", "--log_interval=100", *extra, f"--out_dir={base}",
+               "--resume" if have and int(have[-1][-8:]) <= s else "--overwrite"]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        shutil.copytree(checkpoint.sets(base)[-1], saved, dirs_exist_ok=True)
+    done = json.load(open(FORK_FILE)) if os.path.exists(FORK_FILE) else {}
+    for label in ["none", *[x for x in labels if x != "none"]]:      # a label at every start, then the next
+        for s in starts:
+            key = f"{label}|tp{t}|start{s}|steps{steps}|{os.path.basename(config)}|{' '.join(extra)}"
+            if key in done:
+                continue
+            out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(os.path.join(root, "starts", f"iter_{s:08d}"), os.path.join(out, "ckpt", f"iter_{s:08d}"))
+            sites = [a for a in variant_args(label) if a.startswith("--sites=")]
+            t0 = time.time()
+            emulate.main([str(t), *sites, config, *[a for a in variant_args(label) if a not in sites],
+                          f"--max_iters={s + steps}", f"--eval_interval={s + steps}", "--ckpt_interval=-1",
+                          "--log_interval=50", *extra, f"--out_dir={out}", "--resume"])
+            ev = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r][-1]
+            done[key] = {"label": label, "tp": t, "start": s, "steps": steps, "config": config, "extra": list(extra),
+                         "val": ev["val_loss"], "train": ev["train_loss"], "seconds": round(time.time() - t0, 1),
+                         "env": environment()}
+            with open(FORK_FILE + ".tmp", "w") as f:
+                json.dump(done, f, indent=1)
+            os.replace(FORK_FILE + ".tmp", FORK_FILE)
+            print(f"fork {key}: val {ev['val_loss']:.4f} ({time.time() - t0:.0f} s)", flush=True)
+    return fork_report(steps, t, config, extra)
+
+
+def fork_report(steps, t=8, config="configs/study_long.py", extra=()):
+    """Each label's change in validation loss against the "none" fork of the same start: the
+    per-start values, their mean and its 95% confidence interval over the starts."""
+    done = json.load(open(FORK_FILE)) if os.path.exists(FORK_FILE) else {}
+    runs = [r for r in done.values() if (r["tp"], r["steps"], r["config"], r["extra"]) == (t, steps, config, list(extra))]
+    base = {r["start"]: r["val"] for r in runs if r["label"] == "none"}
+    rows = []
+    for label in dict.fromkeys(r["label"] for r in runs if r["label"] != "none"):
+        d = {r["start"]: 100 * (r["val"] / base[r["start"]] - 1) for r in runs
+             if r["label"] == label and r["start"] in base}
+        if not d:
+            continue
+        mean = sum(d.values()) / len(d)
+        ci = "[{:+.3f}, {:+.3f}]%".format(*confidence_interval(list(d.values()))) if len(d) > 1 else "-"
+        rows.append({"label": label, "starts": len(d), "vs none": f"{mean:+.3f}%", "95% CI": ci,
+                     "per start": " ".join(f"{s}:{v:+.3f}" for s, v in sorted(d.items()))})
+    print(f"\nforks of {steps} steps, TP={t} emulated, {config}, {os.path.relpath(FORK_FILE)}:")
+    table(rows, ["label", "starts", "vs none", "95% CI", "per start"])
+    return rows
+
+
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -287,6 +363,14 @@ def main(argv):
     t.add_argument("codecs")
     t.add_argument("--seeds", type=int, default=1)
     t.add_argument("--config", default="configs/study.py", help="the study config (configs/study_long.py: the long runs)")
+    f = sub.add_parser("fork", help="attribution by short paired forks of one uncompressed run (see fork_study)")
+    f.add_argument("labels", nargs="+", help="e.g. hint8 hint8@fwd hint8@attn=hint6,mlp (\"none\" is always run)")
+    f.add_argument("--starts", default="700,1000,1300", help="steps of the uncompressed run to fork from")
+    f.add_argument("--steps", type=int, default=100, help="steps each fork trains")
+    f.add_argument("--tp", type=int, default=8, help="emulated TP degree of the forks")
+    f.add_argument("--config", default="configs/study_long.py")
+    f.add_argument("--out", default=os.path.join("out", "fork"), help="the base run, its checkpoints, the forks")
+    f.add_argument("--report", action="store_true", help="only the table, from results/study_fork.json")
     a = ap.parse_args(argv)
     if a.what == "run":
         groups = {g.split(":")[0]: int(g.split(":")[1]) if ":" in g else a.seeds for g in a.groups.split(",")}
@@ -301,6 +385,12 @@ def main(argv):
         plot_study()
         if any(r.get("config") == "configs/study_long.py" for r in json.load(open(STUDY_FILE)).values()):
             plot_study("configs/study_long.py", os.path.join(RESULTS, "study_long.png"))
+    elif a.what == "fork":
+        if a.report:
+            fork_report(a.steps, a.tp, a.config, train_args)
+        else:
+            fork_study(a.labels, [int(s) for s in a.starts.split(",")], a.steps, a.tp, a.config,
+                       train_args, a.out)
     else:
         tp_real(a.tp, a.codecs.split(","), a.seeds, train_args, a.config)
 

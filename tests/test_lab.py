@@ -156,6 +156,25 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     assert final["hint8@fwd"] != final["hint8@bwd"] != final["none"]
 
 
+def test_forks_continue_the_base_run_exactly(tmp_path):
+    """lab.study fork: a "none" fork at TP=1 from step 4 ends where the base run trained straight to
+    step 7 ends, bit for bit (same batches, schedule, optimizer state); a codec's fork differs; a
+    second invocation finds every fork done."""
+    tiny = ["--dataset=small", "--device=cpu", "--n_layer=1", "--n_head=4", "--n_embd=64", "--block_size=32",
+            "--batch_size=2", "--eval_iters=2", "--warmup_iters=1", "--lr_decay_iters=12"]
+    env = dict(NANOTACO_FORK_FILE=str(tmp_path / "fork.json"))
+    cmd = ["-m", "lab.study", "fork", "hint8", "--starts=4", "--steps=3", "--tp=1", f"--out={tmp_path}/f", "--", *tiny]
+    sh(cmd, **env)
+    sh(["train.py", "configs/study_long.py", *tiny, "--max_iters=7", "--eval_interval=7", "--tp_codec=none",
+        f"--out_dir={tmp_path}/straight"])
+    straight = [r for r in map(json.loads, open(tmp_path / "straight" / "log.jsonl")) if "val_loss" in r][-1]
+    forks = {r["label"]: r for r in json.load(open(tmp_path / "fork.json")).values()}
+    assert forks["none"]["val"] == straight["val_loss"] and forks["none"]["train"] == straight["train_loss"]
+    assert forks["hint8"]["val"] != forks["none"]["val"] and forks["hint8"]["start"] == 4
+    again = sh(cmd, **env)
+    assert "in one process" not in again.stdout and "hint8 |      1 | " in again.stdout
+
+
 def test_site_errors_split_the_gradient_error(tmp_path):
     """lab.analysis sites, briefly: compressing only the backward cannot change the loss; the
     forward/backward and the attention/MLP/embedding+head splits each account for roughly the
