@@ -4,7 +4,7 @@ one GPU (lab/emulate.py), several seeds, paired against the uncompressed run of 
 
     python -m lab.study run table1:3,fig11:1 [--jobs=2] [-- train.py overrides]   # resumable runs
     python -m lab.study report [--graph]  # the tables, from results/study.json (--graph: the run --graph runs)
-    python -m lab.study plot              # results/study.png
+    python -m lab.study plot              # results/study.png (study_long.png, study_fork.png)
     python -m lab.study tp-real 2 none,hint8 [--seeds=1] [--config=configs/study_long.py]  # real TP next to emulated
     python -m lab.study fork hint8 hint8@fwd hint8@attn [--starts=700,1000,1300 --steps=100]  # paired short forks
 
@@ -256,6 +256,34 @@ def fork_report(steps, t=8, config="configs/study_long.py", extra=()):
     return rows
 
 
+def plot_forks(path=os.path.join(RESULTS, "study_fork.png")):
+    """Every label's change vs the none fork: one dot per start, the mean with its 95% CI, per horizon."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from lab.analysis import save_figure
+    horizons = sorted({r["steps"] for r in json.load(open(FORK_FILE)).values()})
+    fig, ax = plt.subplots(figsize=(8, 6.5))
+    names = []
+    for i, steps in enumerate(horizons):
+        for row in fork_report(steps):
+            y = len(names)
+            names.append(f"{row['label']}  ({steps} steps)")
+            pts = [float(v) for v in (p.split(":")[1] for p in row["per start"].split())]
+            ax.scatter(pts, [y] * len(pts), s=12, color=f"C{i}", alpha=0.6, label="one start" if y == 0 else None)
+            if row["95% CI"] != "-":
+                lo, hi = (float(v) for v in row["95% CI"].strip("[]%").split(","))
+                ax.errorbar([float(row["vs none"][:-1])], [y], xerr=[[float(row["vs none"][:-1]) - lo],
+                            [hi - float(row["vs none"][:-1])]], fmt="o", color="k", ms=4, capsize=3,
+                            label="mean, 95% CI" if y == 0 else None)
+    ax.axvline(0, color="k", lw=0.8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="validation loss vs the uncompressed fork from the same checkpoint (%)",
+           title="Short paired forks, TP=8 emulated (configs/study_long.py)")
+    save_figure(fig, [ax], path)
+
+
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
@@ -385,6 +413,8 @@ def main(argv):
         plot_study()
         if any(r.get("config") == "configs/study_long.py" for r in json.load(open(STUDY_FILE)).values()):
             plot_study("configs/study_long.py", os.path.join(RESULTS, "study_long.png"))
+        if os.path.exists(FORK_FILE):
+            plot_forks()
     elif a.what == "fork":
         if a.report:
             fork_report(a.steps, a.tp, a.config, train_args)
