@@ -218,10 +218,13 @@ def fork_study(labels, starts, steps, t=8, config="configs/study_long.py", extra
                 continue
             out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
             shutil.rmtree(out, ignore_errors=True)
-            shutil.copytree(os.path.join(root, "starts", f"iter_{s:08d}"), os.path.join(out, "ckpt", f"iter_{s:08d}"))
-            sites = [a for a in variant_args(label) if a.startswith("--sites=")]
+            os.makedirs(os.path.join(out, "ckpt"))             # the start's set, linked (not copied) in
+            os.symlink(os.path.abspath(os.path.join(root, "starts", f"iter_{s:08d}")),
+                       os.path.join(out, "ckpt", f"iter_{s:08d}"))
+            args = variant_args(label)
+            sites = [a for a in args if a.startswith("--sites=")]
             t0 = time.time()
-            emulate.main([str(t), *sites, config, *[a for a in variant_args(label) if a not in sites],
+            emulate.main([str(t), *sites, config, *[a for a in args if a not in sites],
                           f"--max_iters={s + steps}", f"--eval_interval={s + steps}", "--ckpt_interval=-1",
                           "--log_interval=50", *extra, f"--out_dir={out}", "--resume"])
             ev = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r][-1]
@@ -248,9 +251,11 @@ def fork_report(steps, t=8, config="configs/study_long.py", extra=()):
         if not d:
             continue
         mean = sum(d.values()) / len(d)
-        ci = "[{:+.3f}, {:+.3f}]%".format(*confidence_interval(list(d.values()))) if len(d) > 1 else "-"
-        rows.append({"label": label, "starts": len(d), "vs none": f"{mean:+.3f}%", "95% CI": ci,
-                     "per start": " ".join(f"{s}:{v:+.3f}" for s, v in sorted(d.items()))})
+        ci = confidence_interval(list(d.values())) if len(d) > 1 else None
+        rows.append({"label": label, "starts": len(d), "vs none": f"{mean:+.3f}%",
+                     "95% CI": "[{:+.3f}, {:+.3f}]%".format(*ci) if ci else "-",
+                     "per start": " ".join(f"{s}:{v:+.3f}" for s, v in sorted(d.items())),
+                     "mean": mean, "ci": ci, "effects": d})
     print(f"\nforks of {steps} steps, TP={t} emulated, {config}, {os.path.relpath(FORK_FILE)}:")
     table(rows, ["label", "starts", "vs none", "95% CI", "per start"])
     return rows
@@ -269,13 +274,12 @@ def plot_forks(path=os.path.join(RESULTS, "study_fork.png")):
         for row in fork_report(steps):
             y = len(names)
             names.append(f"{row['label']}  ({steps} steps)")
-            pts = [float(v) for v in (p.split(":")[1] for p in row["per start"].split())]
+            pts = list(row["effects"].values())
             ax.scatter(pts, [y] * len(pts), s=12, color=f"C{i}", alpha=0.6, label="one start" if y == 0 else None)
-            if row["95% CI"] != "-":
-                lo, hi = (float(v) for v in row["95% CI"].strip("[]%").split(","))
-                ax.errorbar([float(row["vs none"][:-1])], [y], xerr=[[float(row["vs none"][:-1]) - lo],
-                            [hi - float(row["vs none"][:-1])]], fmt="o", color="k", ms=4, capsize=3,
-                            label="mean, 95% CI" if y == 0 else None)
+            if row["ci"]:
+                lo, hi = row["ci"]
+                ax.errorbar([row["mean"]], [y], xerr=[[row["mean"] - lo], [hi - row["mean"]]], fmt="o", color="k",
+                            ms=4, capsize=3, label="mean, 95% CI" if y == 0 else None)
     ax.axvline(0, color="k", lw=0.8)
     ax.set_yticks(range(len(names)), names, fontsize=8)
     ax.invert_yaxis()
