@@ -20,9 +20,10 @@
 // fp32 products and sums without FMA contraction (built with -fmad=false), the sum of squares
 // folded in the reference's order, IEEE division and sqrt; the one fused multiply-add is the
 // integer codes' rounding of the exact product Z * (1/s), which the reference takes in fp64. That
-// makes the codes bit-identical to the PyTorch reference. Two shortcuts are exact and guarded (see encode / decode): 1/sqrt(B) =
-// 1/16 is a power of two, so it is folded into the block's scale where no value can be subnormal
-// or overflow; integers are rounded with the 1.5 * 2^23 trick and converted back the same way.
+// makes the codes bit-identical to the PyTorch reference. Two shortcuts are exact and guarded (see
+// encode / decode): 1/sqrt(B) = 1/16 is a power of two, so it is folded into the block's scale where
+// no value can be subnormal or overflow; integers are rounded with the 1.5 * 2^23 trick and
+// converted back the same way.
 //
 // Plain CUDA: no PyTorch headers, so an edit here recompiles in seconds.
 #include <cuda_bf16.h>
