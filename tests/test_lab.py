@@ -158,8 +158,8 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
 
 def test_forks_continue_the_base_run_exactly(tmp_path):
     """lab.study fork: a "none" fork at TP=1 from step 4 ends where the base run trained straight to
-    step 7 ends, bit for bit (same batches, schedule, optimizer state); a codec's fork differs; a
-    second invocation finds every fork done."""
+    step 7 ends, bit for bit (same batches, schedule, optimizer state); a codec's fork differs, and
+    is the same after another fork in the process as alone; a second invocation finds every fork done."""
     tiny = ["--dataset=small", "--device=cpu", "--n_layer=1", "--n_head=4", "--n_embd=64", "--block_size=32",
             "--batch_size=2", "--eval_iters=2", "--warmup_iters=1", "--lr_decay_iters=12"]
     env = dict(NANOTACO_FORK_FILE=str(tmp_path / "fork.json"))
@@ -173,6 +173,12 @@ def test_forks_continue_the_base_run_exactly(tmp_path):
     assert forks["hint8"]["val"] != forks["none"]["val"] and forks["hint8"]["start"] == 4
     again = sh(cmd, **env)
     assert "in one process" not in again.stdout and "hint8 |      1 | " in again.stdout
+    # a fork is the same run whether it follows others in the process or runs alone
+    runs = json.load(open(tmp_path / "fork.json"))
+    (tmp_path / "fork.json").write_text(json.dumps({k: r for k, r in runs.items() if r["label"] == "none"}))
+    sh(cmd, **env)
+    alone = {r["label"]: r for r in json.load(open(tmp_path / "fork.json")).values()}["hint8"]
+    assert (alone["val"], alone["train"]) == (forks["hint8"]["val"], forks["hint8"]["train"])
 
 
 def test_site_errors_split_the_gradient_error(tmp_path):
