@@ -152,10 +152,11 @@ def check_values(cfg):
         raise ConfigError(f"codec_block={b} must be a power of two in [32, 1024]")
     if cfg["tp_auto_bits"] not in (8, 6):
         raise ConfigError(f"tp_auto_bits={cfg['tp_auto_bits']}: 8 (auto may choose hint8) or 6 (also hint6)")
-    for k in ("tp_codec", "tp_codec_bwd", "tp_codec_embed", "dp_codec", "pp_codec", "pp_codec_bwd", "zero_codec"):
+    for k in ("tp_codec", "tp_codec_bwd", "tp_codec_embed", "tp_codec_attn", "tp_codec_mlp", "dp_codec", "pp_codec",
+              "pp_codec_bwd", "zero_codec"):
         if k in ("tp_codec", "tp_codec_bwd") and cfg[k] == "auto":
             continue
-        if cfg[k] not in ("", *taco.codec_names()) or (cfg[k] == "" and not k.endswith(("_bwd", "_embed"))):
+        if cfg[k] not in ("", *taco.codec_names()) or (cfg[k] == "" and not k.endswith(("_bwd", "_embed", "_attn", "_mlp"))):
             raise ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())} "
                               f"(the lab's tahquant: launch with -m lab.tahquant instead of train.py)")
 

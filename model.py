@@ -203,9 +203,9 @@ class Block(nn.Module):
     def __init__(self, cfg, comm):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg, comm)
+        self.attn = CausalSelfAttention(cfg, comm.at("attn"))
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg, comm)
+        self.mlp = MLP(cfg, comm.at("mlp"))
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

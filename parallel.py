@@ -31,7 +31,7 @@ Data parallelism is in data_parallel.py.
 import datetime
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -138,7 +138,8 @@ class TPComm:
 
     fwd_codec compresses the forward all-reduce (g: activations after a row-parallel layer);
     bwd_codec the backward one (f: activation gradients before a column-parallel layer);
-    embed_codec the embedding's forward all-reduce ("": fwd_codec), whose error reaches every layer.
+    embed_codec the embedding's forward all-reduce ("": fwd_codec), whose error reaches every layer;
+    site_codecs {"attn" | "mlp": codec} a block part's all-reduces (at(site): that part's TPComm).
     "none" is a plain torch.distributed.all_reduce; so is any tensor under min_bytes."""
     group: object = None
     size: int = 1
@@ -152,6 +153,14 @@ class TPComm:
     stats: taco.CommStats = field(default_factory=taco.CommStats)
     sp: bool = False             # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
     transport: str = "auto"      # taco.TRANSPORTS: auto | dist (NCCL, gloo) | symm (symmetric memory)
+    site_codecs: dict = field(default_factory=dict)
+
+    def at(self, site):
+        """The TPComm of one part of a block ("attn", "mlp"): its codec from site_codecs replaces
+        each direction's, where that direction compresses at all (the same stats and group)."""
+        k = self.site_codecs.get(site)
+        return self if not k else replace(self, fwd_codec=k if self.fwd_codec != "none" else "none",
+                                          bwd_codec=k if self.bwd_codec != "none" else "none", site_codecs={})
 
     def codec_for(self, x, direction):
         """The codec for a TP collective of x in direction "fwd", "bwd" or "embed" (the embedding's fwd)."""

@@ -55,7 +55,8 @@ def test_uncompressed_emulation_equals_single_rank():
 def test_sites_narrow_the_compression():
     """--sites: listing every site changes nothing; compressing no site is the uncompressed run; one
     site alone differs from both; the gradient effects of the sites add up roughly to the whole
-    (not exactly: the errors interact); `site=codec` is that codec at that site only."""
+    (not exactly: the errors interact); `site=codec` is that codec at that site only, as the book's
+    TPComm.site_codecs (train.py's tp_codec_attn) makes it."""
     def grads(codec, sites):
         comm = parallel.TPComm(fwd_codec=codec, bwd_codec=codec)
         model = emulate_tp(GPT(CFG, comm, seed=3), 4, comm, None if sites is None else parse_sites(sites))
@@ -69,6 +70,9 @@ def test_sites_narrow_the_compression():
     assert 0.5 < sum(effect.values()) / sq(every, plain) < 2, effect
     assert sq(grads("hint8", "attn=hint6,mlp,ends"), grads("hint8", "attn,mlp,ends")) > 0
     assert sq(grads("none", "attn=hint6"), plain) == 0           # off where the run does not compress
+    book = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8", site_codecs={"attn": "hint6"})   # tp_codec_attn
+    assert sq(_train_steps(emulate_tp(GPT(CFG, book, seed=3), 4, book), steps=1)[1],
+              grads("hint8", "attn=hint6,mlp,ends")) == 0
     with pytest.raises(SystemExit, match="unknown site 'mpl'"):
         parse_sites("mpl")
     assert [site_of(n) for n in ("h.0.attn.qkv", "h.5.mlp.proj", "wte", "lm_head")] == ["attn", "mlp", "ends", "ends"]

@@ -243,15 +243,17 @@ def test_e2e_benchmark_runs_every_entry_in_one_invocation(tmp_path):
 
 def test_speed_of_light_skips_the_tp_all_reduces(tmp_path):
     """lab.speed_of_light: with `all` no TP all-reduce puts a byte on the wire (the losses are
-    wrong: each rank trains on its partial sums); with `fwd` only the backward ones remain."""
+    wrong: each rank trains on its partial sums); with `fwd` only the backward ones remain; the
+    all-reduces of a block part with its own codec (tp_codec_attn) are skipped too."""
     from test_train import TINY, losses, run
     common = TINY + ["--tp=2", "--max_iters=2", "--eval_interval=0"]
     wire = {}
-    for which in ("all", "fwd"):
-        p = run([which, *common, f"--out_dir={tmp_path / which}"], nproc=2, module="lab.speed_of_light")
+    for name, which, extra in (("all", "all", []), ("fwd", "fwd", []),
+                               ("sites", "all", ["--tp_codec=hint8", "--tp_codec_attn=hint6"])):
+        p = run([which, *common, *extra, f"--out_dir={tmp_path / name}"], nproc=2, module="lab.speed_of_light")
         assert "SPEED OF LIGHT" in p.stdout
-        with open(tmp_path / which / "log.jsonl") as f:
-            wire[which] = [r["tp_wire_bytes"] for r in map(json.loads, f) if "loss" in r]
+        with open(tmp_path / name / "log.jsonl") as f:
+            wire[name] = [r["tp_wire_bytes"] for r in map(json.loads, f) if "loss" in r]
     run(common + [f"--out_dir={tmp_path / 'real'}"], nproc=2)
-    assert wire["all"] == [0, 0] and all(w > 0 for w in wire["fwd"])
+    assert wire["all"] == wire["sites"] == [0, 0] and all(w > 0 for w in wire["fwd"])
     assert losses(str(tmp_path / "all"))[0][1] != losses(str(tmp_path / "real"))[0][1]

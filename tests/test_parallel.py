@@ -192,6 +192,36 @@ def test_embedding_codec_applies_to_the_embedding_alone():
         assert out["embed none"][1] != out["none"][1]
 
 
+def _site_losses(rank, world):
+    """The loss with hint8 everywhere but the sites (and the embedding) given their own codec, and
+    which codec the attention and MLP layers choose."""
+    out = {}
+    for name, sites in (("hint8", {}), ("attn hint6", {"attn": "hint6"}), ("attn none", {"attn": "none"}),
+                        ("exact sites", {"attn": "none", "mlp": "none"})):
+        comm = comm_for(rank, world, fwd_codec="hint8", bwd_codec="hint8", embed_codec="none", site_codecs=sites)
+        model = GPT(CFG, comm, seed=3)
+        x = torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+        probe = torch.zeros(1, 1, CFG.n_embd)
+        out[name] = (model(x, x)[1].item(), model.h[0].attn.proj.comm.codec_for(probe, "fwd"),
+                     model.h[0].mlp.fc.comm.codec_for(probe, "bwd"), model.h[0].attn.qkv.comm.stats is comm.stats)
+    comm = comm_for(rank, world, fwd_codec="hint8", bwd_codec="none", site_codecs={"attn": "hint6"})
+    out["bwd none"] = GPT(CFG, comm, seed=3).h[0].attn.qkv.comm.codec_for(torch.zeros(1), "bwd")
+    none = comm_for(rank, world, fwd_codec="none", bwd_codec="none")
+    out["none"] = GPT(CFG, none, seed=3)(x, x)[1].item()
+    return out
+
+
+def test_site_codecs_apply_to_their_block_part():
+    """tp_codec_attn / tp_codec_mlp: a block part's all-reduces take its codec, in both directions
+    (not where a direction is uncompressed), counted in the same stats; with both parts and the
+    embedding exact the forward is the uncompressed one bit for bit."""
+    for out in run_ranks(_site_losses, 2):
+        assert out["hint8"][1:] == ("hint8", "hint8", True) and out["attn hint6"][1:] == ("hint6", "hint8", True)
+        assert out["attn none"][1:] == ("none", "hint8", True) and out["bwd none"] == "none"
+        assert out["exact sites"][0] == out["none"]
+        assert len({out[k][0] for k in ("hint8", "attn hint6", "attn none", "exact sites")}) == 4
+
+
 # --- configuration checks ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, message", [

@@ -85,6 +85,7 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--zero_codec=hint4"], "set zero1=True too"),
     (["--pp_codec=zstd"], "pp_codec='zstd' is not a codec"),
     (["--tp_codec_embed=auto"], "tp_codec_embed='auto' is not a codec"),
+    (["--tp_codec_mlp=auto"], "tp_codec_mlp='auto' is not a codec"),
     (["--tp_transport=nvlink"], "tp_transport='nvlink': choose one of auto, dist, symm"),
     (["--tp_transport=symm", "--device=cpu"], "tp_transport='symm' needs GPUs"),
     (["--pp=2", "--schedule=zigzag"], "schedule='zigzag': choose one of 1f1b, gpipe"),
