@@ -6,7 +6,7 @@ one GPU (lab/emulate.py), several seeds, paired against the uncompressed run of 
     python -m lab.study report [--graph]  # the tables, from results/study.json (--graph: the run --graph runs)
     python -m lab.study plot              # results/study.png (study_long.png, study_fork.png)
     python -m lab.study tp-real 2 none,hint8 [--seeds=1] [--config=configs/study_long.py]  # real TP next to emulated
-    python -m lab.study fork hint8 hint8@fwd hint8@attn [--starts=700,1000,1300 --steps=100]  # paired short forks
+    python -m lab.study fork hint8 hint8@fwd hint8@attn [--starts=600,900,1100,1300 --steps=100]  # paired forks
 
 Every finished run is appended to results/study.json (key: codec, block, TP, seed, extra
 arguments); runs already there are skipped, so a study can span sessions.
@@ -72,6 +72,18 @@ def study_key(codec, block, t, seed, config, extra):
     key = f"{codec}|B{block}|tp{t}|seed{seed}|{' '.join(extra)}"
     return key if config == "configs/study.py" else f"{key}|{os.path.basename(config)}"
 
+def run_folder(root, key):
+    """The output folder of the run (or fork) with this key."""
+    return os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+
+
+def write_runs(path, runs):
+    """The whole record of runs, replaced at once (an interrupted write leaves the previous one)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(runs, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 def run_study(groups, extra, jobs=1, graph=False):
     """Train one run per (codec, block, seed) of the groups with their config (lab.emulate: TP emulated),
     `jobs` at a time (round-robin over the visible GPUs; on one H200 several runs at once were slower
@@ -111,9 +123,7 @@ def run_study(groups, extra, jobs=1, graph=False):
                      "curve": [(r["iter"], r["loss"]) for r in rows if "loss" in r],
                      "val": [(r["iter"], r["val_loss"]) for r in evals],
                      "final_val": evals[-1]["val_loss"], "final_train": evals[-1]["train_loss"]}
-        with open(STUDY_FILE + ".tmp", "w") as f:           # cumulative; written after every run
-            json.dump(done, f, indent=1)
-        os.replace(STUDY_FILE + ".tmp", STUDY_FILE)
+        write_runs(STUDY_FILE, done)                        # cumulative; written after every run
         print(f"done in {time.time() - t0:5.0f} s: {key} val {done[key]['final_val']:.4f}", flush=True)
 
     def reap(limit):
@@ -126,7 +136,7 @@ def run_study(groups, extra, jobs=1, graph=False):
 
     for i, (key, codec, block, t, seed, config) in enumerate(todo):
         reap(jobs)                                          # wait for a free slot
-        out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+        out = run_folder(root, key)
         os.makedirs(out, exist_ok=True)
         sites, args = [a for a in variant_args(codec) if a.startswith("--sites=")], variant_args(codec)
         cmd = [sys.executable, "-m", "lab.emulate", str(t), *sites, *["--graph"] * graph, config,
@@ -216,7 +226,7 @@ def fork_study(labels, starts, steps, t=8, config="configs/study_long.py", extra
             key = f"{label}|tp{t}|start{s}|steps{steps}|{os.path.basename(config)}|{' '.join(extra)}"
             if key in done:
                 continue
-            out = os.path.join(root, key.replace("|", "_").replace(" ", "").replace("--", "")[:120])
+            out = run_folder(root, key)
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(os.path.join(out, "ckpt"))             # the start's set, linked (not copied) in
             os.symlink(os.path.abspath(os.path.join(root, "starts", f"iter_{s:08d}")),
@@ -231,9 +241,7 @@ def fork_study(labels, starts, steps, t=8, config="configs/study_long.py", extra
             done[key] = {"label": label, "tp": t, "start": s, "steps": steps, "config": config, "extra": list(extra),
                          "val": ev["val_loss"], "train": ev["train_loss"], "seconds": round(time.time() - t0, 1),
                          "env": environment()}
-            with open(FORK_FILE + ".tmp", "w") as f:
-                json.dump(done, f, indent=1)
-            os.replace(FORK_FILE + ".tmp", FORK_FILE)
+            write_runs(FORK_FILE, done)
             print(f"fork {key}: val {ev['val_loss']:.4f} ({time.time() - t0:.0f} s)", flush=True)
     return fork_report(steps, t, config, extra)
 
@@ -396,8 +404,8 @@ def main(argv):
     t.add_argument("--seeds", type=int, default=1)
     t.add_argument("--config", default="configs/study.py", help="the study config (configs/study_long.py: the long runs)")
     f = sub.add_parser("fork", help="attribution by short paired forks of one uncompressed run (see fork_study)")
-    f.add_argument("labels", nargs="+", help="e.g. hint8 hint8@fwd hint8@attn=hint6,mlp (\"none\" is always run)")
-    f.add_argument("--starts", default="700,1000,1300", help="steps of the uncompressed run to fork from")
+    f.add_argument("labels", nargs="*", help="e.g. hint8 hint8@fwd hint8@attn=hint6,mlp (\"none\" is always run)")
+    f.add_argument("--starts", default="600,900,1100,1300", help="steps of the uncompressed run to fork from")
     f.add_argument("--steps", type=int, default=100, help="steps each fork trains")
     f.add_argument("--tp", type=int, default=8, help="emulated TP degree of the forks")
     f.add_argument("--config", default="configs/study_long.py")
@@ -422,6 +430,8 @@ def main(argv):
     elif a.what == "fork":
         if a.report:
             fork_report(a.steps, a.tp, a.config, train_args)
+        elif not a.labels:
+            raise SystemExit("lab.study fork: name the variants to fork (e.g. hint8 taco hint8@fwd), or --report")
         else:
             fork_study(a.labels, [int(s) for s in a.starts.split(",")], a.steps, a.tp, a.config,
                        train_args, a.out)
