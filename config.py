@@ -156,7 +156,8 @@ def check_values(cfg):
               "pp_codec_bwd", "zero_codec"):
         if k in ("tp_codec", "tp_codec_bwd") and cfg[k] == "auto":
             continue
-        if cfg[k] not in ("", *taco.codec_names()) or (cfg[k] == "" and not k.endswith(("_bwd", "_embed", "_attn", "_mlp"))):
+        optional = k.endswith(("_bwd", "_embed", "_attn", "_mlp"))           # "": the codec they default to
+        if cfg[k] not in ("", *taco.codec_names()) or (cfg[k] == "" and not optional):
             raise ConfigError(f"{k}={cfg[k]!r} is not a codec; choose from {', '.join(taco.codec_names())} "
                               f"(the lab's tahquant: launch with -m lab.tahquant instead of train.py)")
 

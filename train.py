@@ -76,7 +76,7 @@ tp_codec = "none"               # codec of the forward TP all-reduces: none | hi
 tp_codec_bwd = ""               # "" = same as tp_codec (auto: decided per direction, timed at start: tp_auto.py)
 tp_codec_embed = ""             # the embedding's forward all-reduce ("" = tp_codec's forward codec; none: exact)
 tp_codec_attn = ""              # the attention blocks' all-reduces, where their direction compresses ("": its codec)
-tp_codec_mlp = ""               # the MLP blocks' likewise (e.g. tp_codec_attn=hint6: 6-bit codes where they cost least)
+tp_codec_mlp = ""               # the MLP blocks' all-reduces, likewise
 tp_auto_bits = 8                # the codecs auto may choose: 8 (hint8) or 6 (hint8, hint6)
 codec_block = 256               # elements per codec block (a power of two; the kernels: 256)
 dp_codec = "none"               # data-parallel gradient all-reduce codec (SDP4Bit-style: hint8 | hint4)
@@ -158,7 +158,8 @@ def setup(cfg, model_hook=None):
     torch.manual_seed(c["seed"])
     if use_cuda:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    codecs = ([c["tp_codec"], c["tp_codec_bwd"], c["tp_codec_embed"], c["tp_codec_attn"], c["tp_codec_mlp"]] * (grid.tp > 1)
+    tp_keys = ("tp_codec", "tp_codec_bwd", "tp_codec_embed", "tp_codec_attn", "tp_codec_mlp")
+    codecs = ([c[k] for k in tp_keys] * (grid.tp > 1)
               + [c["dp_codec"], c["zero_codec"]] * (grid.dp > 1) + [c["pp_codec"], c["pp_codec_bwd"]] * (grid.pp > 1))
     codecs = ["hint8" if k == "auto" else k for k in codecs]
     if use_cuda and any(taco_kernels.supports(taco.get_codec(k, c["codec_block"])) for k in codecs if k):

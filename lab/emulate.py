@@ -188,7 +188,8 @@ def emulate_tp(model, t, comm, sites=None):
     """Replace every tensor-parallel layer of a TP=1 model by its TP=t emulation, in place. comm
     (a parallel.TPComm of size 1) gives the codecs, block size and min_bytes of the emulated
     all-reduces (each layer's own comm: TPComm.at gives a block part its codec); sites (from
-    parse_sites; None: as the model's layers say) narrows or changes the codec per site. The parameters stay the same objects (the tied head stays tied)."""
+    parse_sites; None: as the model's layers say) narrows or changes the codec per site. The
+    parameters stay the same objects (the tied head stays tied)."""
     if comm.size != 1 or comm.sp:
         raise parallel.ConfigError("TP emulation runs on a TP=1 model without sequence parallelism")
     swap = {ColumnParallelLinear: EmulatedColumn, RowParallelLinear: EmulatedRow, VocabParallelEmbedding: EmulatedEmbedding}
