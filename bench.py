@@ -4,6 +4,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
 
     python bench.py kernels                                  # GPU: fused kernels vs copy bandwidth vs PyTorch
     python bench.py overlap                                  # GPU: codec kernels beside a matmul, two streams
+    python bench.py host                                     # GPU: host time of one eager compressed all-reduce
     torchrun --nproc_per_node=2 bench.py collective nvlink   # GPUs: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
 """
@@ -202,6 +203,37 @@ def bench_overlap(codec="hint8", tag="overlap", iters=20):
 
 
 # -----------------------------------------------------------------------------
+# the host's share of one eager all-reduce call
+
+def bench_host(sizes_mb=(4, 64), tag="host"):
+    """One GPU, a 1-rank group: host microseconds to issue one eager compressed all-reduce over
+    symmetric memory (taco_symm.Workspace.all_reduce: one binding call that queues encode, barrier,
+    reduce, barrier, decode), sync and async, plus the checks taco.all_reduce makes before it (on
+    one rank taco.all_reduce itself returns at once); next to NCCL's all-reduce and one small torch
+    kernel on the same GPU. Median of 50 calls, each timed alone after a device synchronisation."""
+    import taco_symm
+    for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", LOCAL_WORLD_SIZE="1").items():
+        os.environ.setdefault(k, v)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    taco_kernels.load()
+    cd, rows = taco.get_codec("hint8"), []
+    for mb in sizes_mb:
+        x = torch.randn(mb * 2 ** 20 // 2, device="cuda", dtype=torch.bfloat16)
+        ws = taco_symm.workspace(x, None, True, "symm")
+        ws.all_reduce(x, cd, None, False)                    # the plan and the buffer
+        for label, fn in (("hint8 symm all-reduce, eager", lambda: ws.all_reduce(x, cd, None, False)),
+                          ("hint8 symm all-reduce, async + wait", lambda: ws.all_reduce(x, cd, None, True).wait()),
+                          ("taco.all_reduce's checks before it", lambda: (taco._check(x, None, cd), taco_symm.workspace(
+                              x, None, cd.kernel_ok(x), "auto"))),
+                          ("NCCL all-reduce (bf16, 1 rank)", lambda: dist.all_reduce(x)),
+                          ("one small torch kernel (add_)", lambda: x[:1].add_(0))):
+            rows.append({"MB": mb, "call": label, "host us": f"{host_time(fn, iters=50):.1f}"})
+    dist.destroy_process_group()
+    save(tag, rows, note=bench_host.__doc__)
+    table(rows, ["MB", "call", "host us"])
+
+
+# -----------------------------------------------------------------------------
 # the collective, against NCCL and PyTorch's symmetric-memory all-reduce
 
 def _collective_variants(peers):
@@ -381,6 +413,7 @@ def main(argv):
     k.add_argument("--sizes", default="1,4,16,64,256", help="millions of elements")
     o = sub.add_parser("overlap", help="GPU: one all-reduce's codec kernels beside a weight-gradient matmul")
     o.add_argument("--codec", default="hint8")
+    sub.add_parser("host", help="GPU: host microseconds of one eager compressed all-reduce call (1-rank group)")
     c = sub.add_parser("collective", help="GPUs, under torchrun: taco.all_reduce vs NCCL and torch symm-mem")
     c.add_argument("tag", nargs="?", default="nvlink", help="results/collective_<tag>.json")
     e = sub.add_parser("e2e", help="train a config once per entry in one invocation; step time side by side")
@@ -395,6 +428,10 @@ def main(argv):
         if not torch.cuda.is_available():
             raise SystemExit("bench.py overlap needs a CUDA GPU")
         bench_overlap(a.codec)
+    elif a.what == "host":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.py host needs a CUDA GPU")
+        bench_host()
     elif a.what == "collective":
         bench_collective(tag=a.tag)
     else:

@@ -70,6 +70,51 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const T
   return out;
 }
 
+// The caller's stream waits for `done`'s work so far (an event recorded on it): one event per device,
+// reused, as each record is waited on at once.
+void wait_for(cudaStream_t waiter, cudaStream_t done) {
+  static cudaEvent_t events[64] = {};
+  const int dev = c10::cuda::current_device();
+  TORCH_CHECK(dev < 64, "taco: device index ", dev, " >= 64");
+  if (!events[dev]) C10_CUDA_CHECK(cudaEventCreateWithFlags(&events[dev], cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(events[dev], done));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, events[dev], 0));
+}
+
+using StreamId = std::tuple<int64_t, int64_t, int64_t>;    // torch.cuda.Stream's (stream_id, device_index, device_type)
+
+c10::cuda::CUDAStream unpack(const StreamId& s) {
+  return c10::cuda::CUDAStream::unpack3(std::get<0>(s), std::get<1>(s), static_cast<c10::DeviceType>(std::get<2>(s)));
+}
+
+// The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs a few
+// launches, not a dozen Python steps: encode x into my A (one message per rank), barrier(0), reduce
+// every peer's A[me] into my B, barrier(1), decode every peer's B into x. barrier is the symmetric-
+// memory handle's, which runs on the current stream. side: run on that stream after it waited for the
+// caller's (the caller joins it later, join_stream), or on the caller's stream.
+void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
+                      const TacoParams& p, py::function barrier, c10::optional<StreamId> side) {
+  check(x, "input");
+  check(a, "buffer A");
+  check(b, "buffer B");
+  TORCH_CHECK(a.numel() == mine.n_ptr * p.S && b.numel() == p.S && mine.n_ptr == every.n_ptr,
+              "taco: symmetric-memory buffers of the wrong size");
+  const c10::cuda::CUDAGuard guard(x.device());
+  c10::optional<c10::cuda::CUDAStreamGuard> on_side;
+  if (side) {
+    const auto s = unpack(*side);
+    wait_for(s.stream(), c10::cuda::getCurrentCUDAStream());             // the input is ready
+    on_side.emplace(s);
+  }
+  const cudaStream_t st = c10::cuda::getCurrentCUDAStream();
+  const int dt = dtype_code(x);
+  TORCH_CHECK(taco_encode(x.data_ptr(), dt, x.numel(), mine.n_ptr, p, a.data_ptr<uint8_t>(), st), UNSUPPORTED);
+  barrier(0);
+  TORCH_CHECK(taco_reduce_encode(mine, mine.n_ptr, p, b.data_ptr<uint8_t>(), st), UNSUPPORTED);
+  barrier(1);
+  TORCH_CHECK(taco_decode(every, every.n_ptr, p, x.data_ptr(), dt, x.numel(), st), UNSUPPORTED);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -79,6 +124,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TacoParams>(m, "Params").def(py::init<>()) FIELD(fmt) FIELD(adaptive) FIELD(rotate) FIELD(scale_block)
       FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S);
 #undef FIELD
+  py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
+  m.def("all_reduce_peers", &all_reduce_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
+        "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("p"),
+        py::arg("barrier"), py::arg("side") = py::none());
+  m.def("join_stream", [](const StreamId& side) {
+    wait_for(c10::cuda::getCurrentCUDAStream(), unpack(side).stream());
+  }, "the current stream waits for the work queued so far on stream `side`");
   m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
         py::arg("x"), py::arg("M"), py::arg("p"), py::arg("into") = py::none());
   m.def("decode", [](torch::Tensor buf, torch::Tensor out, const TacoParams& p) {

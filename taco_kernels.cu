@@ -36,6 +36,9 @@
 #ifndef TACO_K
 #define TACO_K 4          // blocks per warp and group
 #endif
+#ifndef TACO_KR
+#define TACO_KR 2         // blocks per warp in reduce-encode
+#endif
 #ifndef TACO_PREFETCH
 #define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
 #endif
@@ -46,7 +49,7 @@ constexpr int B = 256;                 // block size the kernels are built for
 constexpr int E = 8;                   // elements per lane
 constexpr int WARPS = 8;               // warps per CTA
 constexpr int K = TACO_K;              // blocks per warp in encode / decode
-constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
+constexpr int KR = TACO_KR;            // blocks per warp in reduce-encode (it holds two sets of values)
 constexpr bool PREFETCH = TACO_PREFETCH;
 constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
 constexpr unsigned FULL = 0xffffffffu;

@@ -109,3 +109,19 @@ def decode_peers(cd, ptrs, L, out):
 
 def reduce_encode_peers(cd, ptrs, L, out):
     return load().reduce_encode_peers(ptrs, out, params(cd, L))
+
+
+def messages(ptrs):
+    """The binding's form of messages at raw device addresses, built once and reused."""
+    return load().Msgs(ptrs)
+
+
+def all_reduce_peers(x, plan, barrier, side):
+    """The symmetric-memory all-reduce of taco_symm.Workspace in one binding call (its plan: the
+    buffers, parameters and message addresses; side: a stream's (id, device, type) to run on, or None)."""
+    return load().all_reduce_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.p, barrier, side)
+
+
+def join_stream(side):
+    """The current stream waits for what was queued on stream `side` so far."""
+    return load().join_stream(side)

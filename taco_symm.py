@@ -5,7 +5,8 @@ peer to peer, not through NCCL.
 Every rank of a TP group maps one buffer from PyTorch's symmetric memory
 (torch.distributed._symmetric_memory), so a kernel on rank r reads rank q's messages straight from
 q's GPU over NVLink. The two-shot all-reduce (taco.py, steps 1-6) then becomes three kernels and
-two barriers on one side stream:
+two barriers, queued by one call into the binding (on the caller's stream, or with async_op on a
+side stream that the caller joins at handle.wait()):
 
     1-2. encode my tensor into my buffer A (W messages, message q for rank q)
     3.   barrier                              (the all-to-all: every A is ready to be read)
@@ -19,6 +20,7 @@ bytes, and the results, are the same bit for bit.
 import functools
 import os
 import warnings
+from collections import namedtuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,8 @@ import torch.distributed as dist
 import taco_kernels
 
 _WORKSPACES = {}
+# one all-reduce size's views of the buffer, its kernel parameters and the messages' addresses
+Plan = namedtuple("Plan", "S a b p mine every")
 
 
 def workspace(x, group, has_kernels, transport):
@@ -36,12 +40,14 @@ def workspace(x, group, has_kernels, transport):
     link, and the NCCL path is the one that crosses it)."""
     if transport == "dist":
         return None
+    key = ((group or dist.group.WORLD).group_name, x.device)
+    if has_kernels and key in _WORKSPACES:          # decided on the first call; the checks cost microseconds
+        return _WORKSPACES[key]
     why = _why_not(x, group, has_kernels)
     if why is not None:
         if transport == "symm":
             raise RuntimeError(f"taco: transport='symm' is impossible here: {why}; use transport='dist' or 'auto'")
         return None
-    key = ((group or dist.group.WORLD).group_name, x.device)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = Workspace(group, x.device)
     return _WORKSPACES[key]
@@ -101,7 +107,8 @@ class Workspace:
         self.group_name = (group or dist.group.WORLD).group_name
         self.W, self.me = dist.get_world_size(group), dist.get_rank(group)
         self.stream = torch.cuda.Stream(device)
-        self.buf, self.hdl, self.ptrs, self.retired = None, None, [], []
+        self.side = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)   # for the binding
+        self.buf, self.hdl, self.ptrs, self.retired, self.plans = None, None, [], [], {}
 
     def reserve(self, nbytes):
         if self.buf is not None and self.buf.numel() >= nbytes:
@@ -117,6 +124,7 @@ class Workspace:
         size = max(nbytes, 2 * (0 if self.buf is None else self.buf.numel()), 1 << 20)
         if self.buf is not None:
             self.retired.append((self.buf, self.hdl))
+        self.plans = {}
         self.buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         self.hdl = symm_mem.rendezvous(self.buf, self.group_name)
         self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
@@ -139,21 +147,38 @@ class Workspace:
             return Pending(done)
         done()
 
+    @torch.compiler.disable            # raw addresses and a callback: run eagerly, also inside torch.compile
     def all_reduce(self, flat, cd, stats, async_op, then=None):
+        """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode): on the
+        caller's stream, or with async_op on this workspace's stream, joined at handle.wait()."""
+        plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
+        if stats is not None:
+            stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
+        taco_kernels.all_reduce_peers(flat, plan, self.hdl.barrier, self.side if async_op else None)
+        if not async_op:
+            if then is not None:
+                then()
+            return None
+        from taco import Pending
+
+        def done():
+            taco_kernels.join_stream(self.side)
+            if then is not None:
+                then()
+        return Pending(done)
+
+    def _plan(self, n, cd):
+        """What a call on n elements needs that depends only on (n, codec, buffer): computed once
+        (the buffer grows only before a plan is made, and growing drops the plans)."""
         W, me = self.W, self.me
-        L = cd.padded(-(-flat.numel() // W))
+        L = cd.padded(-(-n // W))
         S = cd.nbytes(L)
         self.reserve((W + 1) * S)
-
-        def fn():
-            taco_kernels.encode(cd, flat, W, L, into=self.buf[:W * S])              # 1-2. my A
-            self.hdl.barrier(channel=0)                                              # 3.
-            taco_kernels.reduce_encode_peers(cd, [p + me * S for p in self.ptrs], L, self.buf[W * S:(W + 1) * S])
-            self.hdl.barrier(channel=1)                                              # 5.
-            taco_kernels.decode_peers(cd, [p + W * S for p in self.ptrs], L, flat)  # 6. every B
-        if stats is not None:
-            stats.add(2 * (W - 1) * S, 2 * (W - 1) * flat.numel() * flat.element_size() / W)
-        return self.run(fn, async_op, then)
+        plan = Plan(S=S, a=self.buf[:W * S], b=self.buf[W * S:(W + 1) * S], p=taco_kernels.params(cd, L),
+                    mine=taco_kernels.messages([q + me * S for q in self.ptrs]),           # every A[me]
+                    every=taco_kernels.messages([q + W * S for q in self.ptrs]))           # every B
+        self.plans[(n, cd)] = plan
+        return plan
 
     def all_reduce_plain(self, flat, stats, async_op, then=None):
         """Uncompressed: PyTorch's own symmetric-memory two-shot all-reduce, the fastest

@@ -204,9 +204,10 @@ def test_emulation_refuses_what_it_cannot_emulate():
                        capture_output=True, text=True, timeout=600)
     assert p.returncode != 0 and "--graph needs a CUDA GPU" in p.stdout + p.stderr
     if not torch.cuda.is_available():
-        p = subprocess.run([sys.executable, "bench.py", "overlap"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                           timeout=600)
-        assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
+        for what in ("overlap", "host"):
+            p = subprocess.run([sys.executable, "bench.py", what], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                               timeout=600)
+            assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
 
 
 def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):

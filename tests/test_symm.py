@@ -1,7 +1,8 @@
 """The symmetric-memory transport of the compressed collectives (taco_symm.py): the same
 bits as the torch.distributed path, identical on every rank, across changing sizes, mixed
 collectives, async handles and CUDA-graph replay. Needs 2 GPUs with peer access (NCCL ranks);
-on CPU only the transport choice is tested (gloo)."""
+one GPU runs the workspace's single binding call on a 1-rank group; on CPU only the transport
+choice is tested (gloo)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ import taco_kernels
 from launcher import run_ranks
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+one_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
 def _data(n, dtype, seed, rank):
@@ -124,6 +126,51 @@ def test_symmetric_memory_transport_matches_nccl_bitwise():
                 assert v == (True, True), f"rank {rank}: NaN block not propagated exactly"
             else:
                 assert v, f"rank {rank}: {key} failed"
+
+
+def _one_rank_cases(rank, world):
+    """On a 1-rank group (taco.all_reduce itself returns at once there), the workspace's
+    all-reduce against the same steps through the codec: encode one message, reduce it, decode."""
+    import taco_symm
+    taco_kernels.load()
+    ws = taco_symm.Workspace(None, torch.device("cuda", 0))
+    out = {}
+    for codec, n, dtype in (("hint8", 1 << 20, torch.bfloat16), ("taco", 100_001, torch.float32),
+                            ("hint6", 3 * 4096 + 7, torch.float16), ("hint8", 1 << 22, torch.bfloat16),
+                            ("hint8", 1000, torch.bfloat16)):
+        cd = taco.get_codec(codec)
+        x = _data(n, dtype, 3, 0)
+        x[n // 2] = float("nan")
+        L = cd.padded(n)
+        ref = cd.decode(cd.reduce_encode(cd.encode(x, 1, L), L).view(1, -1), L, n, dtype)
+        a, b = x.clone(), x.clone()
+        ws.all_reduce(a, cd, None, async_op=False)
+        h = ws.all_reduce(b, cd, None, async_op=True)
+        h.wait()
+        out[f"{codec} {n} {dtype}"] = (torch.equal(_fingerprint(a), _fingerprint(ref)),
+                                       torch.equal(_fingerprint(b), _fingerprint(ref)))
+    cd, x = taco.get_codec("hint8"), _data(1 << 16, torch.bfloat16, 4, 0)
+    ref = cd.decode(cd.reduce_encode(cd.encode(x, 1, x.numel()), x.numel()).view(1, -1), x.numel(), x.numel(),
+                    x.dtype)
+    s, graph = x.clone(), torch.cuda.CUDAGraph()
+    ws.all_reduce(s, cd, None, async_op=False)           # once before capturing (the plan)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        ws.all_reduce(s, cd, None, async_op=True).wait()
+    for _ in range(3):
+        s.copy_(x)
+        graph.replay()
+    torch.cuda.synchronize()
+    out["graph replay"] = (torch.equal(_fingerprint(s), _fingerprint(ref)),) * 2
+    return out
+
+
+@one_gpu
+def test_workspace_all_reduce_on_one_rank_equals_the_codec_steps():
+    """One binding call (encode, barrier, reduce, barrier, decode) on the caller's stream or, async,
+    on the side stream, also captured in a CUDA graph: the codec's own steps' bits."""
+    for key, (sync, asy) in run_ranks(_one_rank_cases, 1, backend="nccl")[0].items():
+        assert sync and asy, f"{key}: the workspace's all-reduce differs from encode -> reduce -> decode"
 
 
 def _transport_choice(rank, world):
