@@ -39,6 +39,21 @@
 #ifndef TACO_KR
 #define TACO_KR 2         // blocks per warp in reduce-encode
 #endif
+// register caps as CTAs per SM (__launch_bounds__'s second argument): encode 3 (at most 80 registers);
+// decode and reduce-encode uncapped unless set (an explicit 1 is not the same: ptxas then takes more)
+#ifndef TACO_ENC_CTAS
+#define TACO_ENC_CTAS 3
+#endif
+#ifdef TACO_DEC_CTAS
+#define DEC_BOUNDS __launch_bounds__(32 * WARPS, TACO_DEC_CTAS)
+#else
+#define DEC_BOUNDS __launch_bounds__(32 * WARPS)
+#endif
+#ifdef TACO_RED_CTAS
+#define RED_BOUNDS __launch_bounds__(32 * WARPS, TACO_RED_CTAS)
+#else
+#define RED_BOUNDS __launch_bounds__(32 * WARPS)
+#endif
 #ifndef TACO_PREFETCH
 #define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
 #endif
@@ -413,8 +428,10 @@ struct Raw {
 };
 
 // blocks first .. first + nk - 1 of a message of nbs blocks (the rest of r: block first again); the
-// addresses from two pointers and 32-bit offsets
-template <int FMT, int N>
+// addresses from two pointers and 32-bit offsets. INT6: a lane's 6 bytes as the two aligned words that
+// hold them (WORDS; decode's choice) or as three halfwords (fewer registers; the reduce step's), the
+// faster for each (docs/KERNELS.md)
+template <int FMT, int N, bool WORDS = true>
 __device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, long long first, int nk, long long nbs,
                                            int lane, const TacoParams& p) {
   const int pb = payload_bytes<FMT>();
@@ -423,7 +440,12 @@ __device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, long
 #pragma unroll
   for (int k = 0; k < N; k++) {
     const int kk = k < nk ? k : 0;
-    if (FMT == TACO_INT6) {
+    if (FMT == TACO_INT6 && WORDS) {   // the two words holding the lane's 6 bytes (from byte 0 or 2 of them)
+      const unsigned* src = reinterpret_cast<const unsigned*>(blk + kk * pb - 2 * (lane & 1));
+      const unsigned long long v = (src[0] | (unsigned long long)src[1] << 32) >> (16 * (lane & 1));
+      r[k].lo = (unsigned)v;                  // dequant8 reads the low 24 bits of each
+      r[k].hi = (unsigned)(v >> 24);
+    } else if (FMT == TACO_INT6) {
       const unsigned short* src = reinterpret_cast<const unsigned short*>(blk + kk * pb);
       unsigned a = src[0], b = src[1], c = src[2];
       r[k].lo = a | ((b & 0xff) << 16);
@@ -702,7 +724,7 @@ __host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TA
 // at most 80 registers, so that three CTAs fit on an SM (ptxas wants 84, which allots 88: two CTAs);
 // costs a 16-byte spill
 template <int FMT, bool ROT, bool SCALE>
-__global__ void __launch_bounds__(32 * WARPS, 3) encode_kernel(const void* x, int dt, long long n, TacoParams p,
+__global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const void* x, int dt, long long n, TacoParams p,
                                                            uint8_t* out) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -735,7 +757,7 @@ __global__ void __launch_bounds__(32 * WARPS, 3) encode_kernel(const void* x, in
 }
 
 template <int FMT, bool ROT, bool SCALE>
-__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt,
+__global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt,
                                                            long long n) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -779,7 +801,7 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
 // through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
 // transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs.
 template <int FMT, bool SCALE>
-__global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p,
+__global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p,
                                                                    uint8_t* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nbs = p.L / B;
@@ -788,13 +810,13 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
   const int nk = (int)min((long long)KR, nbs - first);
   float acc[KR][E], v[KR][E];
   Raw r[KR], next[KR];
-  load_group<FMT>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
-  if (P > 1) load_group<FMT>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);   // loads before math
+  load_group<FMT, KR, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
+  if (P > 1) load_group<FMT, KR, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);   // loads before math
   decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
   for (int i = 1; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
 #pragma unroll
     for (int k = 0; k < KR; k++) r[k] = next[k];
-    if (i + 1 < P) load_group<FMT>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
+    if (i + 1 < P) load_group<FMT, KR, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
     decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
 #pragma unroll
     for (int k = 0; k < KR; k++)
