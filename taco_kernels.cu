@@ -390,16 +390,17 @@ __device__ __forceinline__ void lane_spread(float mine, float (&x)[N]) {      //
 
 // --- codes ----------------------------------------------------------------------------------------
 
-// q[j]'s low byte = the fp8 code of y[j], saturating: the same codes as clamp(+-qmax) then cast
+// the fp8 codes of y[0..7], saturating (the same codes as clamp(+-qmax) then cast), low byte first in
+// two words: paired conversions, each pair's two bytes already side by side
 template <int FMT>
-__device__ __forceinline__ void quant_fp8(const float y[E], unsigned q[E]) {
+__device__ __forceinline__ void quant_fp8(const float y[E], unsigned& lo, unsigned& hi) {
+  unsigned h[4];
 #pragma unroll
-  for (int j = 0; j < E; j += 2) {
-    __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(y[j], y[j + 1]), __NV_SATFINITE,
-                                                      FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2);
-    q[j] = r & 0xffu;
-    q[j + 1] = r >> 8;
-  }
+  for (int i = 0; i < 4; i++)
+    h[i] = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * i], y[2 * i + 1]), __NV_SATFINITE,
+                                    FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2);
+  lo = __byte_perm(h[0], h[1], 0x5410);
+  hi = __byte_perm(h[2], h[3], 0x5410);
 }
 
 // 8 codes of a lane, low byte first in two words -> the block's payload
@@ -606,32 +607,32 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
   // rounded half to even, in one FMA (+ 1.5 * 2^23: the integer in the low mantissa bits; |Z / s| <=
   // Qmax, so two's complement in the low byte)
   const bool raw = !p.adaptive && !SCALE;            // plain cast: a NaN code per non-finite element
-  unsigned q[N][E];
+  unsigned lo[N], hi[N];                             // a lane's 8 codes side by side, low byte first
 #pragma unroll
   for (int k = 0; k < N; k++) {
     if (INT) {
+      unsigned q[E];
 #pragma unroll
-      for (int j = 0; j < E; j++) q[k][j] = __float_as_uint(__fmaf_rn(v[k][j], mul[k], MAGIC));
+      for (int j = 0; j < E; j++) q[j] = __float_as_uint(__fmaf_rn(v[k][j], mul[k], MAGIC));
+      lo[k] = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
+      hi[k] = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
     } else {
-      quant_fp8<FMT>(v[k], q[k]);
+      quant_fp8<FMT>(v[k], lo[k], hi[k]);
     }
     if (raw) {
 #pragma unroll
-      for (int j = 0; j < E; j++)
-        if (!isfinite(v[k][j])) q[k][j] = 0x7f;
+      for (int j = 0; j < E; j++) {
+        unsigned& w = j < 4 ? lo[k] : hi[k];
+        if (!isfinite(v[k][j])) w = (w & ~(0xffu << 8 * (j & 3))) | (0x7fu << 8 * (j & 3));
+      }
     }
   }
 
-  // a lane's 8 codes side by side: element order (layout A) or, rotated, the wire's lane order (C)
+  // element order (layout A) or, rotated, the wire's lane order (C)
   const int pb = payload_bytes<FMT>();
 #pragma unroll
-  for (int k = 0; k < N; k++) {
-    if (k < nk) {
-      const unsigned lo = __byte_perm(__byte_perm(q[k][0], q[k][1], 0x0040), __byte_perm(q[k][2], q[k][3], 0x0040), 0x5410);
-      const unsigned hi = __byte_perm(__byte_perm(q[k][4], q[k][5], 0x0040), __byte_perm(q[k][6], q[k][7], 0x0040), 0x5410);
-      write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : lo, bad[k] ? 0u : hi);
-    }
-  }
+  for (int k = 0; k < N; k++)
+    if (k < nk) write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : lo[k], bad[k] ? 0u : hi[k]);
 
   // metadata: lane k writes block k's (alpha, s); the last block's writer zeroes the padding
   if (lane < nk) {
