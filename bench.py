@@ -413,7 +413,8 @@ def main(argv):
     k.add_argument("--sizes", default="1,4,16,64,256", help="millions of elements")
     o = sub.add_parser("overlap", help="GPU: one all-reduce's codec kernels beside a weight-gradient matmul")
     o.add_argument("--codec", default="hint8")
-    sub.add_parser("host", help="GPU: host microseconds of one eager compressed all-reduce call (1-rank group)")
+    h = sub.add_parser("host", help="GPU: host microseconds of one eager compressed all-reduce call (1-rank group)")
+    h.add_argument("--tag", default="host", help="results/<tag>.json")
     c = sub.add_parser("collective", help="GPUs, under torchrun: taco.all_reduce vs NCCL and torch symm-mem")
     c.add_argument("tag", nargs="?", default="nvlink", help="results/collective_<tag>.json")
     e = sub.add_parser("e2e", help="train a config once per entry in one invocation; step time side by side")
@@ -431,7 +432,7 @@ def main(argv):
     elif a.what == "host":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py host needs a CUDA GPU")
-        bench_host()
+        bench_host(tag=a.tag)
     elif a.what == "collective":
         bench_collective(tag=a.tag)
     else:

@@ -89,30 +89,30 @@ c10::cuda::CUDAStream unpack(const StreamId& s) {
 
 // The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs a few
 // launches, not a dozen Python steps: encode x into my A (one message per rank), barrier(0), reduce
-// every peer's A[me] into my B, barrier(1), decode every peer's B into x. barrier is the symmetric-
-// memory handle's, which runs on the current stream. side: run on that stream after it waited for the
-// caller's (the caller joins it later, join_stream), or on the caller's stream.
+// every peer's A[me] into my B, barrier(1), decode every peer's B into x. All on the workspace's stream
+// `side` (every call of a workspace in order, as they share its buffers), after it waited for the
+// caller's stream; join: the caller's stream waits for it now (else at handle.wait(), join_stream).
+// barrier is the symmetric-memory handle's, which runs on the current stream.
 void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
-                      const TacoParams& p, py::function barrier, c10::optional<StreamId> side) {
+                      const TacoParams& p, py::function barrier, const StreamId& side, bool join) {
   check(x, "input");
   check(a, "buffer A");
   check(b, "buffer B");
   TORCH_CHECK(a.numel() == mine.n_ptr * p.S && b.numel() == p.S && mine.n_ptr == every.n_ptr,
               "taco: symmetric-memory buffers of the wrong size");
   const c10::cuda::CUDAGuard guard(x.device());
-  c10::optional<c10::cuda::CUDAStreamGuard> on_side;
-  if (side) {
-    const auto s = unpack(*side);
-    wait_for(s.stream(), c10::cuda::getCurrentCUDAStream());             // the input is ready
-    on_side.emplace(s);
+  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(), st = unpack(side).stream();
+  wait_for(st, caller);                                                   // the input is ready
+  {
+    const c10::cuda::CUDAStreamGuard on_side(unpack(side));
+    const int dt = dtype_code(x);
+    TORCH_CHECK(taco_encode(x.data_ptr(), dt, x.numel(), mine.n_ptr, p, a.data_ptr<uint8_t>(), st), UNSUPPORTED);
+    barrier(0);
+    TORCH_CHECK(taco_reduce_encode(mine, mine.n_ptr, p, b.data_ptr<uint8_t>(), st), UNSUPPORTED);
+    barrier(1);
+    TORCH_CHECK(taco_decode(every, every.n_ptr, p, x.data_ptr(), dt, x.numel(), st), UNSUPPORTED);
   }
-  const cudaStream_t st = c10::cuda::getCurrentCUDAStream();
-  const int dt = dtype_code(x);
-  TORCH_CHECK(taco_encode(x.data_ptr(), dt, x.numel(), mine.n_ptr, p, a.data_ptr<uint8_t>(), st), UNSUPPORTED);
-  barrier(0);
-  TORCH_CHECK(taco_reduce_encode(mine, mine.n_ptr, p, b.data_ptr<uint8_t>(), st), UNSUPPORTED);
-  barrier(1);
-  TORCH_CHECK(taco_decode(every, every.n_ptr, p, x.data_ptr(), dt, x.numel(), st), UNSUPPORTED);
+  if (join) wait_for(caller, st);
 }
 
 }  // namespace
@@ -127,7 +127,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
   m.def("all_reduce_peers", &all_reduce_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
         "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("p"),
-        py::arg("barrier"), py::arg("side") = py::none());
+        py::arg("barrier"), py::arg("side"), py::arg("join"));
   m.def("join_stream", [](const StreamId& side) {
     wait_for(c10::cuda::getCurrentCUDAStream(), unpack(side).stream());
   }, "the current stream waits for the work queued so far on stream `side`");

@@ -116,10 +116,11 @@ def messages(ptrs):
     return load().Msgs(ptrs)
 
 
-def all_reduce_peers(x, plan, barrier, side):
+def all_reduce_peers(x, plan, barrier, side, join):
     """The symmetric-memory all-reduce of taco_symm.Workspace in one binding call (its plan: the
-    buffers, parameters and message addresses; side: a stream's (id, device, type) to run on, or None)."""
-    return load().all_reduce_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.p, barrier, side)
+    buffers, parameters and message addresses), on stream `side` (its (id, device, type)); join: the
+    current stream waits for it at the end."""
+    return load().all_reduce_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.p, barrier, side, join)
 
 
 def join_stream(side):

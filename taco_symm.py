@@ -5,8 +5,8 @@ peer to peer, not through NCCL.
 Every rank of a TP group maps one buffer from PyTorch's symmetric memory
 (torch.distributed._symmetric_memory), so a kernel on rank r reads rank q's messages straight from
 q's GPU over NVLink. The two-shot all-reduce (taco.py, steps 1-6) then becomes three kernels and
-two barriers, queued by one call into the binding (on the caller's stream, or with async_op on a
-side stream that the caller joins at handle.wait()):
+two barriers, queued by one call into the binding on a side stream, which the caller's stream joins
+at once or, with async_op, at handle.wait():
 
     1-2. encode my tensor into my buffer A (W messages, message q for rank q)
     3.   barrier                              (the all-to-all: every A is ready to be read)
@@ -149,12 +149,12 @@ class Workspace:
 
     @torch.compiler.disable            # raw addresses and a callback: run eagerly, also inside torch.compile
     def all_reduce(self, flat, cd, stats, async_op, then=None):
-        """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode): on the
-        caller's stream, or with async_op on this workspace's stream, joined at handle.wait()."""
+        """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode) on this
+        workspace's stream, as run() orders it: joined now, or with async_op at handle.wait()."""
         plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
         if stats is not None:
             stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_kernels.all_reduce_peers(flat, plan, self.hdl.barrier, self.side if async_op else None)
+        taco_kernels.all_reduce_peers(flat, plan, self.hdl.barrier, self.side, join=not async_op)
         if not async_op:
             if then is not None:
                 then()

@@ -149,6 +149,15 @@ def _one_rank_cases(rank, world):
         h.wait()
         out[f"{codec} {n} {dtype}"] = (torch.equal(_fingerprint(a), _fingerprint(ref)),
                                        torch.equal(_fingerprint(b), _fingerprint(ref)))
+    cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
+    refs = [cd.decode(cd.reduce_encode(cd.encode(t, 1, t.numel()), t.numel()).view(1, -1), t.numel(), t.numel(),
+                      t.dtype) for t in (x, y)]
+    a, b = x.clone(), y.clone()                          # an eager call while an async one is unfinished: in order
+    h = ws.all_reduce(a, cd, None, async_op=True)
+    ws.all_reduce(b, cd, None, async_op=False)
+    h.wait()
+    out["async, then eager before its wait"] = (torch.equal(_fingerprint(a), _fingerprint(refs[0])),
+                                                torch.equal(_fingerprint(b), _fingerprint(refs[1])))
     cd, x = taco.get_codec("hint8"), _data(1 << 16, torch.bfloat16, 4, 0)
     ref = cd.decode(cd.reduce_encode(cd.encode(x, 1, x.numel()), x.numel()).view(1, -1), x.numel(), x.numel(),
                     x.dtype)
@@ -167,8 +176,8 @@ def _one_rank_cases(rank, world):
 
 @one_gpu
 def test_workspace_all_reduce_on_one_rank_equals_the_codec_steps():
-    """One binding call (encode, barrier, reduce, barrier, decode) on the caller's stream or, async,
-    on the side stream, also captured in a CUDA graph: the codec's own steps' bits."""
+    """One binding call (encode, barrier, reduce, barrier, decode) on the workspace's stream, joined
+    at once or at wait(), also captured in a CUDA graph: the codec's own steps' bits."""
     for key, (sync, asy) in run_ranks(_one_rank_cases, 1, backend="nccl")[0].items():
         assert sync and asy, f"{key}: the workspace's all-reduce differs from encode -> reduce -> decode"
 
