@@ -70,8 +70,8 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const T
   return out;
 }
 
-// The caller's stream waits for `done`'s work so far (an event recorded on it): one event per device,
-// reused, as each record is waited on at once.
+// Stream `waiter` waits for the work queued on `done` so far (an event recorded there), both on the
+// current device: one event per device, reused, as each record is waited on at once.
 void wait_for(cudaStream_t waiter, cudaStream_t done) {
   static cudaEvent_t events[64] = {};
   const int dev = c10::cuda::current_device();
@@ -96,23 +96,19 @@ c10::cuda::CUDAStream unpack(const StreamId& s) {
 void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
                       const TacoParams& p, py::function barrier, const StreamId& side, bool join) {
   check(x, "input");
-  check(a, "buffer A");
-  check(b, "buffer B");
-  TORCH_CHECK(a.numel() == mine.n_ptr * p.S && b.numel() == p.S && mine.n_ptr == every.n_ptr,
-              "taco: symmetric-memory buffers of the wrong size");
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(), st = unpack(side).stream();
-  wait_for(st, caller);                                                   // the input is ready
+  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream s = unpack(side);
+  wait_for(s.stream(), caller);                                           // the input is ready
   {
-    const c10::cuda::CUDAStreamGuard on_side(unpack(side));
-    const int dt = dtype_code(x);
-    TORCH_CHECK(taco_encode(x.data_ptr(), dt, x.numel(), mine.n_ptr, p, a.data_ptr<uint8_t>(), st), UNSUPPORTED);
+    const c10::cuda::CUDAStreamGuard on_side(s);                          // encode & co. launch on s
+    encode(x, mine.n_ptr, p, a);
     barrier(0);
-    TORCH_CHECK(taco_reduce_encode(mine, mine.n_ptr, p, b.data_ptr<uint8_t>(), st), UNSUPPORTED);
+    reduce_encode(mine, mine.n_ptr, b, p);
     barrier(1);
-    TORCH_CHECK(taco_decode(every, every.n_ptr, p, x.data_ptr(), dt, x.numel(), st), UNSUPPORTED);
+    decode(every, every.n_ptr, x, p);
   }
-  if (join) wait_for(caller, st);
+  if (join) wait_for(caller, s.stream());
 }
 
 }  // namespace
@@ -129,8 +125,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("p"),
         py::arg("barrier"), py::arg("side"), py::arg("join"));
   m.def("join_stream", [](const StreamId& side) {
-    wait_for(c10::cuda::getCurrentCUDAStream(), unpack(side).stream());
-  }, "the current stream waits for the work queued so far on stream `side`");
+    const c10::cuda::CUDAStream s = unpack(side);
+    const c10::cuda::CUDAGuard guard(s.device_index());
+    wait_for(c10::cuda::getCurrentCUDAStream(), s.stream());
+  }, "the current stream (of `side`'s device) waits for the work queued so far on stream `side`");
   m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
         py::arg("x"), py::arg("M"), py::arg("p"), py::arg("into") = py::none());
   m.def("decode", [](torch::Tensor buf, torch::Tensor out, const TacoParams& p) {
@@ -143,7 +141,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     auto out = torch::empty({p.S}, buf.options());
     return reduce_encode(contiguous(buf), buf.size(0), out, p);
   }, "fused decompress-reduce-compress of a (P, S) buffer");
-  m.def("reduce_encode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, const TacoParams& p) {
-    return reduce_encode(scattered(ptrs), ptrs.size(), out, p);
-  }, "fused decompress-reduce-compress of messages at the given device addresses, into out");
 }

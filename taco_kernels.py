@@ -107,10 +107,6 @@ def decode_peers(cd, ptrs, L, out):
     return load().decode_peers(ptrs, out, params(cd, L))
 
 
-def reduce_encode_peers(cd, ptrs, L, out):
-    return load().reduce_encode_peers(ptrs, out, params(cd, L))
-
-
 def messages(ptrs):
     """The binding's form of messages at raw device addresses, built once and reused."""
     return load().Msgs(ptrs)
