@@ -723,10 +723,10 @@ __host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TA
 // warp strides over groups, issuing the next group's loads before this group's math ---------------
 
 // at most 80 registers, so that three CTAs fit on an SM (ptxas wants 84, which allots 88: two CTAs);
-// costs a 16-byte spill
+// costs a small spill (8 bytes)
 template <int FMT, bool ROT, bool SCALE>
-__global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const void* x, int dt, long long n, TacoParams p,
-                                                           uint8_t* out) {
+__global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const void* x, int dt, long long n,
+                                                                       TacoParams p, uint8_t* out) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nbs = p.L / B, msg = blockIdx.y, base = msg * p.L + lane * E;
@@ -758,8 +758,7 @@ __global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const
 }
 
 template <int FMT, bool ROT, bool SCALE>
-__global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt,
-                                                           long long n) {
+__global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt, long long n) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nbs = p.L / B, msg = blockIdx.y;
@@ -802,8 +801,7 @@ __global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, 
 // through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
 // transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs.
 template <int FMT, bool SCALE>
-__global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p,
-                                                                   uint8_t* out) {
+__global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long nbs = p.L / B;
   const long long first = ((long long)blockIdx.x * WARPS + warp) * KR;
@@ -812,7 +810,7 @@ __global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams 
   float acc[KR][E], v[KR][E];
   Raw r[KR], next[KR];
   load_group<FMT, KR, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
-  if (P > 1) load_group<FMT, KR, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);   // loads before math
+  if (P > 1) load_group<FMT, KR, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);   // before the math
   decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
   for (int i = 1; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
 #pragma unroll
