@@ -128,12 +128,20 @@ def test_symmetric_memory_transport_matches_nccl_bitwise():
                 assert v, f"rank {rank}: {key} failed"
 
 
+def _codec_steps(cd, x):
+    """What a 1-rank all-reduce of x gives through the codec's own steps: encode one message,
+    reduce it, decode."""
+    L = cd.padded(x.numel())
+    return cd.decode(cd.reduce_encode(cd.encode(x, 1, L), L).view(1, -1), L, x.numel(), x.dtype)
+
+
 def _one_rank_cases(rank, world):
     """On a 1-rank group (taco.all_reduce itself returns at once there), the workspace's
-    all-reduce against the same steps through the codec: encode one message, reduce it, decode."""
+    all-reduce against _codec_steps."""
     import taco_symm
     taco_kernels.load()
     ws = taco_symm.Workspace(None, torch.device("cuda", 0))
+    same = lambda u, v: torch.equal(_fingerprint(u), _fingerprint(v))
     out = {}
     for codec, n, dtype in (("hint8", 1 << 20, torch.bfloat16), ("taco", 100_001, torch.float32),
                             ("hint6", 3 * 4096 + 7, torch.float16), ("hint8", 1 << 22, torch.bfloat16),
@@ -141,26 +149,19 @@ def _one_rank_cases(rank, world):
         cd = taco.get_codec(codec)
         x = _data(n, dtype, 3, 0)
         x[n // 2] = float("nan")
-        L = cd.padded(n)
-        ref = cd.decode(cd.reduce_encode(cd.encode(x, 1, L), L).view(1, -1), L, n, dtype)
+        ref = _codec_steps(cd, x)
         a, b = x.clone(), x.clone()
         ws.all_reduce(a, cd, None, async_op=False)
         h = ws.all_reduce(b, cd, None, async_op=True)
         h.wait()
-        out[f"{codec} {n} {dtype}"] = (torch.equal(_fingerprint(a), _fingerprint(ref)),
-                                       torch.equal(_fingerprint(b), _fingerprint(ref)))
+        out[f"{codec} {n} {dtype}"] = (same(a, ref), same(b, ref))
     cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
-    refs = [cd.decode(cd.reduce_encode(cd.encode(t, 1, t.numel()), t.numel()).view(1, -1), t.numel(), t.numel(),
-                      t.dtype) for t in (x, y)]
     a, b = x.clone(), y.clone()                          # an eager call while an async one is unfinished: in order
     h = ws.all_reduce(a, cd, None, async_op=True)
     ws.all_reduce(b, cd, None, async_op=False)
     h.wait()
-    out["async, then eager before its wait"] = (torch.equal(_fingerprint(a), _fingerprint(refs[0])),
-                                                torch.equal(_fingerprint(b), _fingerprint(refs[1])))
-    cd, x = taco.get_codec("hint8"), _data(1 << 16, torch.bfloat16, 4, 0)
-    ref = cd.decode(cd.reduce_encode(cd.encode(x, 1, x.numel()), x.numel()).view(1, -1), x.numel(), x.numel(),
-                    x.dtype)
+    out["async, then eager before its wait"] = (same(a, _codec_steps(cd, x)), same(b, _codec_steps(cd, y)))
+    x = _data(1 << 16, torch.bfloat16, 4, 0)
     s, graph = x.clone(), torch.cuda.CUDAGraph()
     ws.all_reduce(s, cd, None, async_op=False)           # once before capturing (the plan)
     torch.cuda.synchronize()
@@ -170,7 +171,7 @@ def _one_rank_cases(rank, world):
         s.copy_(x)
         graph.replay()
     torch.cuda.synchronize()
-    out["graph replay"] = (torch.equal(_fingerprint(s), _fingerprint(ref)),) * 2
+    out["graph replay"] = (same(s, _codec_steps(cd, x)),) * 2
     return out
 
 
