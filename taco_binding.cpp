@@ -4,6 +4,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <functional>
+#include <map>
+
 #include "taco_kernels.h"
 
 namespace {
@@ -33,6 +36,14 @@ TacoMsgs scattered(const std::vector<int64_t>& ptrs) {
   TacoMsgs m{nullptr, {}, (int)ptrs.size()};
   for (size_t i = 0; i < ptrs.size(); i++) m.ptr[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
   return m;
+}
+
+// rank r's signal pad at address ptrs[r] (PyTorch's symmetric memory: the handle's signal_pad_ptrs)
+TacoPads signal_pads(const std::vector<int64_t>& ptrs) {
+  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= TACO_MAX_PEERS, "taco: 1 to ", TACO_MAX_PEERS, " signal pads");
+  TacoPads s{{}, (int)ptrs.size()};
+  for (size_t i = 0; i < ptrs.size(); i++) s.pad[i] = reinterpret_cast<uint32_t*>(ptrs[i]);
+  return s;
 }
 
 torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optional<torch::Tensor> into) {
@@ -87,26 +98,82 @@ c10::cuda::CUDAStream unpack(const StreamId& s) {
   return c10::cuda::CUDAStream::unpack3(std::get<0>(s), std::get<1>(s), static_cast<c10::DeviceType>(std::get<2>(s)));
 }
 
-// The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs a few
-// launches, not a dozen Python steps: encode x into my A (one message per rank), barrier(0), reduce
-// every peer's A[me] into my B, barrier(1), decode every peer's B into x. All on the workspace's stream
-// `side` (every call of a workspace in order, as they share its buffers), after it waited for the
-// caller's stream; join: the caller's stream waits for it now (else at handle.wait(), join_stream).
-// barrier is the symmetric-memory handle's, which runs on the current stream.
+// A stream of the current device for capturing graphs (one per device, created on first use).
+cudaStream_t capture_stream() {
+  static cudaStream_t streams[64] = {};
+  const int dev = c10::cuda::current_device();
+  TORCH_CHECK(dev < 64, "taco: device index ", dev, " >= 64");
+  if (!streams[dev]) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
+  return streams[dev];
+}
+
+// One plan's all-reduce captured as CUDA graphs, one per (tensor address, dtype): a later eager call
+// on the same tensor costs one graph launch instead of five kernel launches. At most kMax graphs;
+// past that (addresses that keep changing), calls launch the kernels one by one.
+class Replays {
+ public:
+  static constexpr size_t kMax = 16;
+  ~Replays() {
+    for (auto& kv : execs_) cudaGraphExecDestroy(kv.second);     // one still running is freed when done
+  }
+  // the graph for x, captured now by launch_all() (which launches on the current stream) if new
+  cudaGraphExec_t get(const torch::Tensor& x, const std::function<void()>& launch_all) {
+    const auto key = std::make_pair(x.data_ptr(), dtype_code(x));
+    const auto it = execs_.find(key);
+    if (it != execs_.end()) return it->second;
+    if (execs_.size() >= kMax) return nullptr;
+    const cudaStream_t cs = capture_stream();
+    const c10::cuda::CUDAStreamGuard on(c10::cuda::getStreamFromExternal(cs, x.device().index()));
+    C10_CUDA_CHECK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
+    cudaGraph_t graph = nullptr;
+    try {
+      launch_all();
+    } catch (...) {                                                // a failed check: end the capture
+      if (cudaStreamEndCapture(cs, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    C10_CUDA_CHECK(cudaStreamEndCapture(cs, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    C10_CUDA_CHECK(err);
+    return execs_[key] = exec;
+  }
+
+ private:
+  std::map<std::pair<void*, int>, cudaGraphExec_t> execs_;
+};
+
+// The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs one graph
+// launch (replay: a graph per tensor, Replays) or five kernel launches, not a dozen Python steps:
+// encode x into my A (one message per rank), barrier(0), reduce every peer's A[me] into my B,
+// barrier(1), decode every peer's B into x. All on the workspace's stream `side` (every call of a
+// workspace in order, as they share its buffers), after it waited for the caller's stream; join: the
+// caller's stream waits for it now (else at handle.wait(), join_stream). While the caller's stream is
+// being captured into a graph, the kernels are launched one by one (into that graph).
 void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
-                      const TacoParams& p, py::function barrier, const StreamId& side, bool join) {
+                      const TacoPads& pads, int64_t me, const TacoParams& p, Replays& replays, bool replay,
+                      const StreamId& side, bool join) {
   check(x, "input");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream();
   const c10::cuda::CUDAStream s = unpack(side);
-  wait_for(s.stream(), caller);                                           // the input is ready
-  {
-    const c10::cuda::CUDAStreamGuard on_side(s);                          // encode & co. launch on s
+  const auto launch_all = [&] {                                           // on the current stream
     encode(x, mine.n_ptr, p, a);
-    barrier(0);
+    taco_barrier(pads, (int)me, 0, c10::cuda::getCurrentCUDAStream());
     reduce_encode(mine, mine.n_ptr, b, p);
-    barrier(1);
+    taco_barrier(pads, (int)me, 1, c10::cuda::getCurrentCUDAStream());
     decode(every, every.n_ptr, x, p);
+  };
+  cudaStreamCaptureStatus capturing;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(caller, &capturing));
+  const cudaGraphExec_t exec = replay && capturing == cudaStreamCaptureStatusNone ? replays.get(x, launch_all) : nullptr;
+  wait_for(s.stream(), caller);                                           // the input is ready
+  if (exec) {
+    C10_CUDA_CHECK(cudaGraphLaunch(exec, s.stream()));
+  } else {
+    const c10::cuda::CUDAStreamGuard on_side(s);
+    launch_all();
   }
   if (join) wait_for(caller, s.stream());
 }
@@ -121,9 +188,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S);
 #undef FIELD
   py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
+  py::class_<Replays>(m, "Replays").def(py::init<>(), "a plan's all-reduce as CUDA graphs, one per tensor");
+  py::class_<TacoPads>(m, "Pads").def(py::init(&signal_pads), "the ranks' signal pads at the given device addresses");
   m.def("all_reduce_peers", &all_reduce_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
-        "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("p"),
-        py::arg("barrier"), py::arg("side"), py::arg("join"));
+        "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("pads"),
+        py::arg("me"), py::arg("p"), py::arg("replays"), py::arg("replay"), py::arg("side"), py::arg("join"));
+  m.def("barrier", [](const TacoPads& pads, int64_t me, int64_t channel) {
+    TORCH_CHECK(0 <= me && me < pads.W && channel >= 0, "taco: barrier of rank ", me, " of ", pads.W, ", channel ",
+                channel);
+    taco_barrier(pads, (int)me, (int)channel, c10::cuda::getCurrentCUDAStream());
+  }, "a barrier of the ranks, on the current stream: rank `me` of pads.W, on the given channel (0, 1, ...)");
   m.def("join_stream", [](const StreamId& side) {
     const c10::cuda::CUDAStream s = unpack(side);
     const c10::cuda::CUDAGuard guard(s.device_index());

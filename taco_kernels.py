@@ -112,11 +112,28 @@ def messages(ptrs):
     return load().Msgs(ptrs)
 
 
-def all_reduce_peers(x, plan, barrier, side, join):
+def signal_pads(ptrs):
+    """The binding's form of the ranks' signal pads (a symmetric-memory handle's signal_pad_ptrs)."""
+    return load().Pads(ptrs)
+
+
+def barrier(pads, me, channel):
+    """A barrier of the ranks on the current stream (taco_kernels.h: PyTorch's flags and protocol)."""
+    return load().barrier(pads, me, channel)
+
+
+def all_reduce_peers(x, plan, side, join, replay=True):
     """The symmetric-memory all-reduce of taco_symm.Workspace in one binding call (its plan: the
-    buffers, parameters and message addresses), on stream `side` (its (id, device, type)); join: the
-    current stream waits for it at the end."""
-    return load().all_reduce_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.p, barrier, side, join)
+    buffers, parameters, message addresses, signal pads and graphs), on stream `side` (its (id,
+    device, type)); join: the current stream waits for it at the end. replay: as a CUDA graph
+    captured on x's first call (one launch instead of five); False: the five launches."""
+    return load().all_reduce_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p,
+                                   plan.replays, replay, side, join)
+
+
+def replays():
+    """A plan's store of CUDA graphs of its all-reduce, one per tensor (the binding's Replays)."""
+    return load().Replays()
 
 
 def join_stream(side):

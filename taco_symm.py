@@ -6,7 +6,8 @@ Every rank of a TP group maps one buffer from PyTorch's symmetric memory
 (torch.distributed._symmetric_memory), so a kernel on rank r reads rank q's messages straight from
 q's GPU over NVLink. The two-shot all-reduce (taco.py, steps 1-6) then becomes three kernels and
 two barriers, queued by one call into the binding on a side stream, which the caller's stream joins
-at once or, with async_op, at handle.wait():
+at once or, with async_op, at handle.wait(). The first call on a tensor captures the five as a CUDA
+graph, which later calls on it replay (one launch: the host's cost of an eager call):
 
     1-2. encode my tensor into my buffer A (W messages, message q for rank q)
     3.   barrier                              (the all-to-all: every A is ready to be read)
@@ -28,8 +29,23 @@ import torch.distributed as dist
 import taco_kernels
 
 _WORKSPACES = {}
-# one all-reduce size's views of the buffer, its kernel parameters and the messages' addresses
-Plan = namedtuple("Plan", "S a b p mine every")
+# one all-reduce size's views of the buffer, its kernel parameters, the messages' addresses, the
+# ranks' signal pads, my rank, and the all-reduce's CUDA graphs (one per tensor, made on first use)
+Plan = namedtuple("Plan", "S a b p mine every pads me replays")
+
+
+def make_plan(cd, n, me, buf, ptrs, pads):
+    """What rank me's all-reduce of n elements needs that depends only on (n, codec, buffer): my
+    buffer buf (a uint8 tensor of at least (W + 1) * S bytes), every rank's buffer address (ptrs)
+    and signal pads (taco_kernels.signal_pads). Workspace makes one per size; a test makes two on
+    one GPU, ranks in one process."""
+    W = len(ptrs)
+    L = cd.padded(-(-n // W))
+    S = cd.nbytes(L)
+    return Plan(S=S, a=buf[:W * S], b=buf[W * S:(W + 1) * S], p=taco_kernels.params(cd, L),
+                mine=taco_kernels.messages([q + me * S for q in ptrs]),           # every A[me]
+                every=taco_kernels.messages([q + W * S for q in ptrs]),           # every B
+                pads=pads, me=me, replays=taco_kernels.replays())
 
 
 def workspace(x, group, has_kernels, transport):
@@ -95,9 +111,10 @@ class Workspace:
       gather_messages:    write my A; barrier; read the peers' A; barrier
     Why no call can overwrite what a peer still reads: every read of an A comes before a barrier
     that its owner passes before writing A again; B is written only after the call's first
-    barrier, which a peer reaches only after it finished reading the previous B. symm_mem's
-    barrier consumes its signals (put: 0 -> 1 on the peer, wait: 1 -> 0 on mine), so a stale
-    flag from an earlier call cannot satisfy a later one, also when a CUDA graph replays it.
+    barrier, which a peer reaches only after it finished reading the previous B. The barrier
+    (taco_kernels.barrier: the flags and protocol of symm_mem's own) consumes its signals (raise:
+    0 -> 1 on the peer, lower: 1 -> 0 on mine), so a stale flag from an earlier call cannot
+    satisfy a later one, also when a CUDA graph replays it.
     Growing the buffer is collective (every rank makes the same calls with the same sizes) and
     cannot happen inside a CUDA-graph capture: run the collective once before capturing. Old
     buffers are kept (a peer may still read them); sizes double, so that costs < 2x."""
@@ -108,7 +125,7 @@ class Workspace:
         self.W, self.me = dist.get_world_size(group), dist.get_rank(group)
         self.stream = torch.cuda.Stream(device)
         self.side = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)   # for the binding
-        self.buf, self.hdl, self.ptrs, self.retired, self.plans = None, None, [], [], {}
+        self.buf, self.hdl, self.ptrs, self.pads, self.retired, self.plans = None, None, [], None, [], {}
 
     def reserve(self, nbytes):
         if self.buf is not None and self.buf.numel() >= nbytes:
@@ -128,6 +145,7 @@ class Workspace:
         self.buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         self.hdl = symm_mem.rendezvous(self.buf, self.group_name)
         self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
+        self.pads = taco_kernels.signal_pads([int(p) for p in self.hdl.signal_pad_ptrs])
 
     @torch.compiler.disable            # streams and raw addresses: run eagerly, also inside torch.compile
     def run(self, fn, async_op, then=None):
@@ -154,7 +172,7 @@ class Workspace:
         plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
         if stats is not None:
             stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_kernels.all_reduce_peers(flat, plan, self.hdl.barrier, self.side, join=not async_op)
+        taco_kernels.all_reduce_peers(flat, plan, self.side, join=not async_op)
         if not async_op:
             if then is not None:
                 then()
@@ -168,16 +186,10 @@ class Workspace:
         return Pending(done)
 
     def _plan(self, n, cd):
-        """What a call on n elements needs that depends only on (n, codec, buffer): computed once
-        (the buffer grows only before a plan is made, and growing drops the plans)."""
-        W, me = self.W, self.me
-        L = cd.padded(-(-n // W))
-        S = cd.nbytes(L)
-        self.reserve((W + 1) * S)
-        plan = Plan(S=S, a=self.buf[:W * S], b=self.buf[W * S:(W + 1) * S], p=taco_kernels.params(cd, L),
-                    mine=taco_kernels.messages([q + me * S for q in self.ptrs]),           # every A[me]
-                    every=taco_kernels.messages([q + W * S for q in self.ptrs]))           # every B
-        self.plans[(n, cd)] = plan
+        """make_plan for n elements, once per (n, codec) (the buffer grows only before a plan is
+        made, and growing drops the plans)."""
+        self.reserve((self.W + 1) * cd.nbytes(cd.padded(-(-n // self.W))))
+        plan = self.plans[(n, cd)] = make_plan(cd, n, self.me, self.buf, self.ptrs, self.pads)
         return plan
 
     def all_reduce_plain(self, flat, stats, async_op, then=None):
@@ -215,8 +227,8 @@ class Workspace:
 
         def fn():
             taco_kernels.encode(cd, x, M, L, into=self.buf[:M * S])
-            self.hdl.barrier(channel=0)
+            taco_kernels.barrier(self.pads, self.me, 0)
             taco_kernels.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
-            self.hdl.barrier(channel=1)                      # nobody rewrites its A before all have read it
+            taco_kernels.barrier(self.pads, self.me, 1)      # nobody rewrites its A before all have read it
         self.run(fn, async_op=False)
         return out, S

@@ -3,6 +3,8 @@ bits as the torch.distributed path, identical on every rank, across changing siz
 collectives, async handles and CUDA-graph replay. Needs 2 GPUs with peer access (NCCL ranks);
 one GPU runs the workspace's single binding call on a 1-rank group; on CPU only the transport
 choice is tested (gloo)."""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,11 +130,14 @@ def test_symmetric_memory_transport_matches_nccl_bitwise():
                 assert v, f"rank {rank}: {key} failed"
 
 
-def _codec_steps(cd, x):
-    """What a 1-rank all-reduce of x gives through the codec's own steps: encode one message,
-    reduce it, decode."""
-    L = cd.padded(x.numel())
-    return cd.decode(cd.reduce_encode(cd.encode(x, 1, L), L).view(1, -1), L, x.numel(), x.dtype)
+def _codec_steps(cd, xs):
+    """What an all-reduce of the ranks' tensors xs gives through the codec's own steps: each rank
+    encodes W messages, rank q reduces every rank's message q, every rank decodes the W results."""
+    W, n = len(xs), xs[0].numel()
+    L = cd.padded(-(-n // W))
+    sent = [cd.encode(x, W, L) for x in xs]
+    reduced = [cd.reduce_encode(torch.stack([s[q] for s in sent]), L) for q in range(W)]
+    return cd.decode(torch.stack(reduced), L, n, xs[0].dtype)
 
 
 def _one_rank_cases(rank, world):
@@ -149,18 +154,22 @@ def _one_rank_cases(rank, world):
         cd = taco.get_codec(codec)
         x = _data(n, dtype, 3, 0)
         x[n // 2] = float("nan")
-        ref = _codec_steps(cd, x)
-        a, b = x.clone(), x.clone()
-        ws.all_reduce(a, cd, None, async_op=False)
+        ref = _codec_steps(cd, [x])
+        a, b, c = x.clone(), x.clone(), x.clone()
+        ws.all_reduce(a, cd, None, async_op=False)           # captured as a graph, which runs
         h = ws.all_reduce(b, cd, None, async_op=True)
         h.wait()
-        out[f"{codec} {n} {dtype}"] = (same(a, ref), same(b, ref))
+        ok = same(a, ref) and same(b, ref)
+        a.copy_(x)
+        ws.all_reduce(a, cd, None, async_op=False)           # the graph replayed
+        taco_kernels.all_reduce_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)   # five launches
+        out[f"{codec} {n} {dtype}"] = (ok, same(a, ref) and same(c, ref))
     cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
     a, b = x.clone(), y.clone()                          # an eager call while an async one is unfinished: in order
     h = ws.all_reduce(a, cd, None, async_op=True)
     ws.all_reduce(b, cd, None, async_op=False)
     h.wait()
-    out["async, then eager before its wait"] = (same(a, _codec_steps(cd, x)), same(b, _codec_steps(cd, y)))
+    out["async, then eager before its wait"] = (same(a, _codec_steps(cd, [x])), same(b, _codec_steps(cd, [y])))
     x = _data(1 << 16, torch.bfloat16, 4, 0)
     s, graph = x.clone(), torch.cuda.CUDAGraph()
     ws.all_reduce(s, cd, None, async_op=False)           # once before capturing (the plan)
@@ -171,16 +180,55 @@ def _one_rank_cases(rank, world):
         s.copy_(x)
         graph.replay()
     torch.cuda.synchronize()
-    out["graph replay"] = (same(s, _codec_steps(cd, x)),) * 2
+    out["graph replay"] = (same(s, _codec_steps(cd, [x])),) * 2
     return out
 
 
 @one_gpu
 def test_workspace_all_reduce_on_one_rank_equals_the_codec_steps():
     """One binding call (encode, barrier, reduce, barrier, decode) on the workspace's stream, joined
-    at once or at wait(), also captured in a CUDA graph: the codec's own steps' bits."""
+    at once or at wait(), as its own graph (captured, replayed) or five launches, also inside a
+    caller's CUDA graph: the codec's own steps' bits."""
     for key, (sync, asy) in run_ranks(_one_rank_cases, 1, backend="nccl")[0].items():
         assert sync and asy, f"{key}: the workspace's all-reduce differs from encode -> reduce -> decode"
+
+
+@one_gpu
+def test_two_ranks_on_one_gpu():
+    """Two ranks in one process on one GPU, each with its buffer, signal pad and stream: the
+    binding's all-reduce, barriers included, gives both the codec steps' bits, as a graph (captured,
+    replayed) and as five launches; rank 0 waits at the barrier until rank 1 comes; every flag is
+    lowered again, so calls repeat."""
+    import taco_symm
+    taco_kernels.load()
+    W = 2
+    bufs = [torch.zeros(1 << 23, dtype=torch.uint8, device="cuda") for _ in range(W)]
+    pad_mem = [torch.zeros(2 * W, dtype=torch.int32, device="cuda") for _ in range(W)]   # channels 0, 1
+    pads = taco_kernels.signal_pads([p.data_ptr() for p in pad_mem])
+    streams = [torch.cuda.Stream() for _ in range(W)]
+    sides = [(s.stream_id, s.device_index, s.device_type) for s in streams]
+    cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 100_001, torch.float32), ("hint6", 3 * 4096 + 7,
+             torch.float16), ("hint8", 1 << 20, torch.bfloat16), ("hint8", 1000, torch.bfloat16)]
+    for i, (codec, n, dtype) in enumerate(cases):
+        cd = taco.get_codec(codec)
+        xs = [_data(n, dtype, i, r) for r in range(W)]
+        xs[1][n // 3] = float("nan")
+        ref = _codec_steps(cd, xs)
+        plans = [taco_symm.make_plan(cd, n, r, bufs[r], [b.data_ptr() for b in bufs], pads) for r in range(W)]
+        ys = [x.clone() for x in xs]
+        for how in ("graph captured", "graph replayed", "five launches"):
+            for r in range(W):
+                ys[r].copy_(xs[r])
+                taco_kernels.all_reduce_peers(ys[r], plans[r], sides[r], join=False, replay=how != "five launches")
+                if i == 0 and r == 0:
+                    time.sleep(0.2)
+                    assert not streams[0].query(), f"{how}: rank 0 passed the barrier alone"
+            for side in sides:
+                taco_kernels.join_stream(side)
+            torch.cuda.synchronize()
+            for r in range(W):
+                assert torch.equal(_fingerprint(ys[r]), _fingerprint(ref)), f"{codec} {n} {dtype} {how}: rank {r} differs"
+    assert not any(p.any() for p in pad_mem), "a flag was left raised"
 
 
 def _transport_choice(rank, world):
