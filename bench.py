@@ -100,16 +100,17 @@ def device_time(fn, iters=50, warmup=3):
     return a.elapsed_time(b) * 1000 / iters
 
 
-def host_time(fn, before=None, iters=20):
-    """Median host-side microseconds to issue fn() (no device synchronisation inside)."""
+def host_time(fn, iters=50, reps=5):
+    """Host microseconds per fn() call, issued back to back while a sleep kernel queued first keeps
+    the GPU busy (the host never waits for it): the median of reps batches of iters calls."""
     ts = []
-    for _ in range(iters):
-        if before:
-            before()
+    for _ in range(reps):
         torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)                        # tens of milliseconds of GPU time
         t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e6)
+        for _ in range(iters):
+            fn()
+        ts.append((time.perf_counter() - t0) * 1e6 / iters)
     torch.cuda.synchronize()
     return sorted(ts)[len(ts) // 2]
 
@@ -208,9 +209,10 @@ def bench_overlap(codec="hint8", tag="overlap", iters=20):
 def bench_host(sizes_mb=(4, 64), tag="host"):
     """One GPU, a 1-rank group: host microseconds to issue one eager compressed all-reduce over
     symmetric memory (taco_symm.Workspace.all_reduce: one binding call that queues encode, barrier,
-    reduce, barrier, decode), sync and async, plus the checks taco.all_reduce makes before it (on
-    one rank taco.all_reduce itself returns at once); next to NCCL's all-reduce and one small torch
-    kernel on the same GPU. Median of 50 calls, each timed alone after a device synchronisation."""
+    reduce, barrier, decode as one CUDA graph), sync and async, that binding call alone, with five
+    launches instead of the graph, and one barrier launch, plus the checks taco.all_reduce makes
+    before it (on one rank taco.all_reduce itself returns at once); next to NCCL's all-reduce and
+    one small torch kernel on the same GPU. Per call, issued back to back (host_time)."""
     import taco_symm
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", LOCAL_WORLD_SIZE="1").items():
         os.environ.setdefault(k, v)
@@ -221,13 +223,19 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
         x = torch.randn(mb * 2 ** 20 // 2, device="cuda", dtype=torch.bfloat16)
         ws = taco_symm.workspace(x, None, True, "symm")
         ws.all_reduce(x, cd, None, False)                    # the plan and the buffer
+        plan = ws.plans[(x.numel(), cd)]
         for label, fn in (("hint8 symm all-reduce, eager", lambda: ws.all_reduce(x, cd, None, False)),
+                          ("  its binding call alone (a graph)", lambda: taco_kernels.all_reduce_peers(
+                              x, plan, ws.side, True)),
+                          ("  the binding call, five launches", lambda: taco_kernels.all_reduce_peers(
+                              x, plan, ws.side, True, replay=False)),
+                          ("  one barrier launch", lambda: taco_kernels.barrier(ws.pads, 0, 0)),
                           ("hint8 symm all-reduce, async + wait", lambda: ws.all_reduce(x, cd, None, True).wait()),
                           ("taco.all_reduce's checks before it", lambda: (taco._check(x, None, cd), taco_symm.workspace(
                               x, None, cd.kernel_ok(x), "auto"))),
                           ("NCCL all-reduce (bf16, 1 rank)", lambda: dist.all_reduce(x)),
                           ("one small torch kernel (add_)", lambda: x[:1].add_(0))):
-            rows.append({"MB": mb, "call": label, "host us": f"{host_time(fn, iters=50):.1f}"})
+            rows.append({"MB": mb, "call": label, "host us": f"{host_time(fn):.1f}"})
     dist.destroy_process_group()
     save(tag, rows, note=bench_host.__doc__)
     table(rows, ["MB", "call", "host us"])
@@ -281,7 +289,7 @@ def _time_collective(label, codec, transport, chunks, src, exact, world):
     t = torch.tensor(cuda_time(run, iters=20, warmup=3, before=lambda: target.copy_(src)), device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)                 # the slowest rank's median
     return {"variant": label, "transport": transport, "chunks": chunks, "us": f"{t.item():.0f}",
-            "host us": f"{host_time(run, lambda: target.copy_(src)):.0f}", "t": t.item(),
+            "host us": f"{host_time(run):.0f}", "t": t.item(),
             "algbw GB/s": f"{2 * src.numel() / t.item() / 1e3:.0f}", "rel err": f"{err:.1e}",
             "identical": "yes" if all(torch.equal(hs[0], o) for o in hs) else "NO"}
 
