@@ -112,7 +112,7 @@ cudaStream_t capture_stream() {
 // past that (addresses that keep changing), calls launch the kernels one by one.
 class Replays {
  public:
-  static constexpr size_t kMax = 16;
+  static constexpr size_t kMax = 64;
   ~Replays() {
     for (auto& kv : execs_) cudaGraphExecDestroy(kv.second);     // one still running is freed when done
   }
