@@ -98,15 +98,6 @@ c10::cuda::CUDAStream unpack(const StreamId& s) {
   return c10::cuda::CUDAStream::unpack3(std::get<0>(s), std::get<1>(s), static_cast<c10::DeviceType>(std::get<2>(s)));
 }
 
-// A stream of the current device for capturing graphs (one per device, created on first use).
-cudaStream_t capture_stream() {
-  static cudaStream_t streams[64] = {};
-  const int dev = c10::cuda::current_device();
-  TORCH_CHECK(dev < 64, "taco: device index ", dev, " >= 64");
-  if (!streams[dev]) C10_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[dev], cudaStreamNonBlocking));
-  return streams[dev];
-}
-
 // One plan's all-reduce captured as CUDA graphs, one per (tensor address, dtype): a later eager call
 // on the same tensor costs one graph launch instead of five kernel launches. At most kMax graphs;
 // past that (addresses that keep changing), calls launch the kernels one by one.
@@ -116,14 +107,15 @@ class Replays {
   ~Replays() {
     for (auto& kv : execs_) cudaGraphExecDestroy(kv.second);     // one still running is freed when done
   }
-  // the graph for x, captured now by launch_all() (which launches on the current stream) if new
-  cudaGraphExec_t get(const torch::Tensor& x, const std::function<void()>& launch_all) {
+  // the graph for x; if new, captured now on stream cs (work already queued there is not part of it)
+  // from launch_all(), which launches on the current stream
+  cudaGraphExec_t get(const torch::Tensor& x, const c10::cuda::CUDAStream& cs,
+                      const std::function<void()>& launch_all) {
     const auto key = std::make_pair(x.data_ptr(), dtype_code(x));
     const auto it = execs_.find(key);
     if (it != execs_.end()) return it->second;
     if (execs_.size() >= kMax) return nullptr;
-    const cudaStream_t cs = capture_stream();
-    const c10::cuda::CUDAStreamGuard on(c10::cuda::getStreamFromExternal(cs, x.device().index()));
+    const c10::cuda::CUDAStreamGuard on(cs);
     C10_CUDA_CHECK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
     cudaGraph_t graph = nullptr;
     try {
@@ -167,7 +159,8 @@ void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const T
   };
   cudaStreamCaptureStatus capturing;
   C10_CUDA_CHECK(cudaStreamIsCapturing(caller, &capturing));
-  const cudaGraphExec_t exec = replay && capturing == cudaStreamCaptureStatusNone ? replays.get(x, launch_all) : nullptr;
+  const bool own_graph = replay && capturing == cudaStreamCaptureStatusNone;
+  const cudaGraphExec_t exec = own_graph ? replays.get(x, s, launch_all) : nullptr;
   wait_for(s.stream(), caller);                                           // the input is ready
   if (exec) {
     C10_CUDA_CHECK(cudaGraphLaunch(exec, s.stream()));

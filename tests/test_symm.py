@@ -227,7 +227,8 @@ def test_two_ranks_on_one_gpu():
                 taco_kernels.join_stream(side)
             torch.cuda.synchronize()
             for r in range(W):
-                assert torch.equal(_fingerprint(ys[r]), _fingerprint(ref)), f"{codec} {n} {dtype} {how}: rank {r} differs"
+                same = torch.equal(_fingerprint(ys[r]), _fingerprint(ref))
+                assert same, f"{codec} {n} {dtype} {how}: rank {r} differs"
     assert not any(p.any() for p in pad_mem), "a flag was left raised"
 
 
