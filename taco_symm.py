@@ -34,14 +34,19 @@ _WORKSPACES = {}
 Plan = namedtuple("Plan", "S a b p mine every pads me replays")
 
 
+def shard(cd, n, W):
+    """(L, S): the elements and bytes of each of the W messages of an all-reduce of n elements."""
+    L = cd.padded(-(-n // W))
+    return L, cd.nbytes(L)
+
+
 def make_plan(cd, n, me, buf, ptrs, pads):
     """What rank me's all-reduce of n elements needs that depends only on (n, codec, buffer): my
     buffer buf (a uint8 tensor of at least (W + 1) * S bytes), every rank's buffer address (ptrs)
     and signal pads (taco_kernels.signal_pads). Workspace makes one per size; a test makes two on
     one GPU, ranks in one process."""
     W = len(ptrs)
-    L = cd.padded(-(-n // W))
-    S = cd.nbytes(L)
+    L, S = shard(cd, n, W)
     return Plan(S=S, a=buf[:W * S], b=buf[W * S:(W + 1) * S], p=taco_kernels.params(cd, L),
                 mine=taco_kernels.messages([q + me * S for q in ptrs]),           # every A[me]
                 every=taco_kernels.messages([q + W * S for q in ptrs]),           # every B
@@ -188,7 +193,7 @@ class Workspace:
     def _plan(self, n, cd):
         """make_plan for n elements, once per (n, codec) (the buffer grows only before a plan is
         made, and growing drops the plans)."""
-        self.reserve((self.W + 1) * cd.nbytes(cd.padded(-(-n // self.W))))
+        self.reserve((self.W + 1) * shard(cd, n, self.W)[1])
         plan = self.plans[(n, cd)] = make_plan(cd, n, self.me, self.buf, self.ptrs, self.pads)
         return plan
 
