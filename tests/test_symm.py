@@ -1,8 +1,8 @@
 """The symmetric-memory transport of the compressed collectives (taco_symm.py): the same
 bits as the torch.distributed path, identical on every rank, across changing sizes, mixed
 collectives, async handles and CUDA-graph replay. Needs 2 GPUs with peer access (NCCL ranks);
-one GPU runs the workspace's single binding call on a 1-rank group; on CPU only the transport
-choice is tested (gloo)."""
+one GPU runs the workspace's single binding call on a 1-rank group, and two ranks (barriers
+included) in one process; on CPU only the transport choice is tested (gloo)."""
 import time
 
 import pytest
