@@ -68,6 +68,7 @@ constexpr int WARPS = 8;               // warps per CTA
 constexpr int K = TACO_K;              // blocks per warp in encode / decode
 constexpr int KR = TACO_KR;            // blocks per warp in reduce-encode (it holds two sets of values)
 constexpr bool PREFETCH = TACO_PREFETCH;
+constexpr long long RED_CTAS_PER_SM = 16;  // reduce-encode's grid cap; past it its warps loop over groups
 constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
 constexpr unsigned FULL = 0xffffffffu;
 constexpr unsigned CANONICAL_NAN = 0x7fc00000u;   // what torch.tensor(float("nan")) stores
@@ -106,6 +107,17 @@ __device__ __forceinline__ void unpack16(uint4 u, int dt, float v[E]) {
   }
 }
 
+template <int N>
+__device__ __forceinline__ void unpack_group(const uint4 (&u)[N], int dt, float (&v)[N][E]) {
+  if (dt == TACO_BF16) {
+#pragma unroll
+    for (int k = 0; k < N; k++) unpack16(u[k], TACO_BF16, v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; k++) unpack16(u[k], TACO_F16, v[k]);
+  }
+}
+
 __device__ __forceinline__ void load8(const void* x, int dt, long long n, long long i0, float v[E]) {
   if (dt != TACO_F32) return unpack16(fetch16(x, n, i0), dt, v);
   const float* p = static_cast<const float*>(x) + i0;
@@ -119,12 +131,12 @@ __device__ __forceinline__ void load8(const void* x, int dt, long long n, long l
 }
 
 // The 16-bit inputs of N blocks from this lane's element i0 on, zeros past the last block (nk: the
-// blocks there are). A whole group inside the tensor, from a 16-byte aligned x: N loads from one
-// address (the per-block bounds and alignment tests cost more instructions than the load).
+// blocks there are). whole: the group lies inside the tensor and x is 16-byte aligned (the caller's
+// one test per group, see whole_blocks); then N loads from one address.
 template <int N>
-__device__ __forceinline__ void fetch_group(uint4 (&u)[N], const void* x, bool aligned, long long n, long long i0,
-                                            long long nk) {
-  if (aligned && nk >= N && i0 + (N - 1) * B + E <= n) {
+__device__ __forceinline__ void fetch_group(uint4 (&u)[N], const void* x, bool whole, long long n, long long i0,
+                                            int nk) {
+  if (whole) {
     const uint4* p = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + i0);
 #pragma unroll
     for (int k = 0; k < N; k++) u[k] = __ldg(p + k * (B / 8));
@@ -132,6 +144,17 @@ __device__ __forceinline__ void fetch_group(uint4 (&u)[N], const void* x, bool a
 #pragma unroll
     for (int k = 0; k < N; k++) u[k] = k < nk ? fetch16(x, n, i0 + k * B) : make_uint4(0, 0, 0, 0);
   }
+}
+
+// Of a message's nbs blocks, how many lie wholly inside a tensor whose rem elements from the message's
+// start on exist (rem may be <= 0), and how many hold any of them: 32-bit block indices from here on
+// (the host refuses L / B >= 2^30)
+__device__ __forceinline__ int whole_blocks(long long rem, int nbs) {
+  return rem <= 0 ? 0 : (int)min((long long)nbs, rem / B);
+}
+
+__device__ __forceinline__ int touched_blocks(long long rem, int nbs) {
+  return rem <= 0 ? 0 : (int)min((long long)nbs, (rem + B - 1) / B);
 }
 
 // round to nearest even, a low; saturating: a value past the type's largest, Inf included, becomes
@@ -176,12 +199,12 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
   }
 }
 
-// N blocks' values from this lane's element i0 on, nk of them real: a whole group inside the tensor,
-// to a 16-byte aligned out, from one address (as fetch_group)
+// N blocks' values from this lane's element i0 on, nk of them real; whole (as fetch_group's): from one
+// address
 template <int N>
-__device__ __forceinline__ void store_group(void* out, int dt, bool aligned, long long n, long long i0, int nk,
+__device__ __forceinline__ void store_group(void* out, int dt, bool whole, long long n, long long i0, int nk,
                                             const float (&v)[N][E]) {
-  if (!(aligned && nk >= N && i0 + (N - 1) * B + E <= n)) {
+  if (!whole) {
 #pragma unroll
     for (int k = 0; k < N; k++)
       if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
@@ -432,17 +455,16 @@ struct Raw {
 
 // blocks first .. first + nk - 1 of a message of nbs blocks (the rest of r: block first again); the
 // addresses from two pointers and 32-bit offsets. INT6: a lane's 6 bytes as the two aligned words that
-// hold them (WORDS; decode's choice) or as three halfwords (fewer registers; the reduce step's), the
-// faster for each (docs/KERNELS.md)
-template <int FMT, int N, bool WORDS = true>
-__device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, long long first, int nk, long long nbs,
-                                           int lane, const TacoParams& p) {
+// hold them (WORDS; decode's choice) or as three halfwords (fewer registers; the reduce step's). SPLIT:
+// a whole group (nk == N) takes a path of its own with constant offsets (decode's choice; the reduce
+// step is faster without). The faster for each, measured (docs/KERNELS.md).
+template <int FMT, int N, bool WORDS, bool ALL>
+__device__ __forceinline__ void load_blocks(Raw (&r)[N], const uint8_t* blk, const float* meta, int nk, int lane,
+                                            const TacoParams& p) {
   const int pb = payload_bytes<FMT>();
-  const uint8_t* blk = msg + first * pb + (FMT == TACO_INT6 ? 6 : 8) * lane;
-  const float* meta = reinterpret_cast<const float*>(msg + nbs * pb) + first * p.nmeta;
 #pragma unroll
   for (int k = 0; k < N; k++) {
-    const int kk = k < nk ? k : 0;
+    const int kk = ALL || k < nk ? k : 0;
     if (FMT == TACO_INT6 && WORDS) {   // the two words holding the lane's 6 bytes (from byte 0 or 2 of them)
       const unsigned* src = reinterpret_cast<const unsigned*>(blk + kk * pb - 2 * (lane & 1));
       const unsigned long long v = (src[0] | (unsigned long long)src[1] << 32) >> (16 * (lane & 1));
@@ -461,6 +483,16 @@ __device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, long
     r[k].s = p.scale_block ? meta[kk * p.nmeta + p.nmeta - 1] : 1.f;
     r[k].alpha = p.adaptive ? meta[kk * p.nmeta] : 1.f;
   }
+}
+
+template <int FMT, int N, bool WORDS = true, bool SPLIT = true>
+__device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, int first, int nk, int nbs, int lane,
+                                           const TacoParams& p) {
+  const uint8_t* blk = msg + (long long)first * payload_bytes<FMT>() + (FMT == TACO_INT6 ? 6 : 8) * lane;
+  const float* meta = reinterpret_cast<const float*>(msg + (long long)nbs * payload_bytes<FMT>()) +
+                      (long long)first * p.nmeta;
+  if (SPLIT && nk == N) load_blocks<FMT, N, WORDS, true>(r, blk, meta, nk, lane, p);   // constant offsets
+  else load_blocks<FMT, N, WORDS, false>(r, blk, meta, nk, lane, p);
 }
 
 // codes -> values, layout A. Integers come back exactly: the code, biased to be non-negative, as the
@@ -498,7 +530,7 @@ __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
 // msg: the message's bytes; blocks first .. first + N - 1 of nbs, of which the first nk are real
 template <int FMT, bool ROT, bool SCALE, int N>
 __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane, const TacoParams& p,
-                                              uint8_t* msg, long long first, long long nbs, float (*sm)[SMW]) {
+                                              uint8_t* msg, int first, int nbs, float (*sm)[SMW]) {
   // A block is bad (codes 0, metadata NaN) when it holds NaN/Inf or its arithmetic overflows: the
   // reference's predicate, tested where it shows anyway (a non-finite input makes the sum of squares
   // non-finite, and every rotated value; the absmax sees it in any case).
@@ -632,23 +664,24 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 
   // element order (layout A) or, rotated, the wire's lane order (C)
   const int pb = payload_bytes<FMT>();
+  uint8_t* codes = msg + (long long)first * pb;
 #pragma unroll
   for (int k = 0; k < N; k++)
-    if (k < nk) write_codes<FMT>(msg + (first + k) * pb, lane, bad[k] ? 0u : lo[k], bad[k] ? 0u : hi[k]);
+    if (k < nk) write_codes<FMT>(codes + k * pb, lane, bad[k] ? 0u : lo[k], bad[k] ? 0u : hi[k]);
 
   // metadata: lane k writes block k's (alpha, s); the last block's writer zeroes the padding
   if (lane < nk) {
-    const long long lb = first + lane;
+    const int lb = first + lane;
     bool bad_mine = bad[0];
 #pragma unroll
     for (int k = 1; k < N; k++) bad_mine = lane == k ? bad[k] : bad_mine;
     const float nan = __uint_as_float(CANONICAL_NAN);
-    float* meta = reinterpret_cast<float*>(msg + nbs * pb) + lb * p.nmeta;
+    float* meta = reinterpret_cast<float*>(msg + (long long)nbs * pb) + (long long)lb * p.nmeta;
     int i = 0;
     if (p.adaptive) meta[i++] = bad_mine ? nan : alpha_mine;
     if (SCALE) meta[i] = bad_mine ? nan : s_mine;
     if (lb == nbs - 1) {
-      for (long long b = nbs * (pb + 4 * p.nmeta); b < p.S; b++) msg[b] = 0;
+      for (long long b = (long long)nbs * (pb + 4 * p.nmeta); b < p.S; b++) msg[b] = 0;
     }
   }
 }
@@ -731,29 +764,35 @@ __global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const
                                                                        TacoParams p, uint8_t* out) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long nbs = p.L / B, msg = blockIdx.y, base = msg * p.L + lane * E;
-  const long long step = (long long)gridDim.x * WARPS * K;
-  long long first = ((long long)blockIdx.x * WARPS + warp) * K;
+  const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * K;
+  int first = (blockIdx.x * WARPS + warp) * K;
   if (first >= nbs) return;                    // the whole warp: no lane waits at a __syncwarp
+  const long long msg = blockIdx.y, base = msg * p.L + lane * E;   // the lane's first element of block 0
+  uint8_t* const m = out + msg * p.S;
+  // groups first + K <= whole lie inside x; from a 16-byte aligned x, so is every lane's first element
+  const int whole = (reinterpret_cast<uintptr_t>(x) & 15) ? 0 : whole_blocks(n - msg * p.L, nbs);
   const bool ahead = PREFETCH && dt != TACO_F32;   // 16-bit inputs: 16 bytes per lane and block
   uint4 pre[K];
-  const bool aligned = (reinterpret_cast<uintptr_t>(x) & 15) == 0;   // then so is every lane's first element
-  if (ahead) fetch_group<K>(pre, x, aligned, n, base + first * B, nbs - first);
+  if (ahead) fetch_group<K>(pre, x, first + K <= whole, n, base + (long long)first * B, nbs - first);
   for (;;) {
-    const int nk = (int)min((long long)K, nbs - first);
+    const int nk = min(K, nbs - first);
     float v[K][E];
+    if (ahead) {
+      unpack_group<K>(pre, dt, v);
+    } else {
 #pragma unroll
-    for (int k = 0; k < K; k++) {
-      if (ahead) unpack16(pre[k], dt, v[k]);
-      else if (k < nk) load8(x, dt, n, base + (first + k) * B, v[k]);
-      else
+      for (int k = 0; k < K; k++) {
+        if (k < nk) load8(x, dt, n, base + (long long)(first + k) * B, v[k]);
+        else
 #pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = 0.f;
+          for (int j = 0; j < E; j++) v[k][j] = 0.f;
+      }
     }
-    const long long next = first + step;
-    if (ahead && next < nbs) fetch_group<K>(pre, x, aligned, n, base + next * B, nbs - next);
-    encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, out + msg * p.S, first, nbs, smem[warp]);
-    if (next >= nbs) break;
+    const bool more = first < nbs - step;
+    const int next = first + (more ? step : 0);
+    if (ahead && more) fetch_group<K>(pre, x, next + K <= whole, n, base + (long long)next * B, nbs - next);
+    encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, m, first, nbs, smem[warp]);
+    if (!more) break;
     first = next;
     __syncwarp();                              // this group's shared-memory reads are done
   }
@@ -763,30 +802,27 @@ template <int FMT, bool ROT, bool SCALE>
 __global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt, long long n) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long nbs = p.L / B, msg = blockIdx.y;
-  const long long step = (long long)gridDim.x * WARPS * K;
-  // blocks of the group at `first` that hold elements < n (blocks wholly past n are not decoded)
-  auto blocks_at = [&](long long first) -> int {
-    const long long i0 = msg * p.L + first * B;
-    if (first >= nbs || i0 >= n) return 0;
-    return (int)min(min((long long)K, nbs - first), (n - i0 + B - 1) / B);
-  };
-  long long first = ((long long)blockIdx.x * WARPS + warp) * K;
-  int nk = blocks_at(first);
-  if (nk == 0) return;
+  const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * K;
+  const long long msg = blockIdx.y, rem = n - msg * p.L;   // rem: elements of out from this message's start
+  // blocks below `touched` hold elements < n (the others are not decoded); groups first + K <= whole
+  // lie inside out, and with a 16-byte aligned out so is every lane's first element
+  const int touched = touched_blocks(rem, nbs);
+  const int whole = (reinterpret_cast<uintptr_t>(out) & 15) ? 0 : whole_blocks(rem, nbs);
+  int first = (blockIdx.x * WARPS + warp) * K;
+  if (first >= touched) return;
+  int nk = min(K, touched - first);
   const uint8_t* m = message(buf, msg, p.S);
-  const bool aligned = (reinterpret_cast<uintptr_t>(out) & 15) == 0;   // then so is every lane's first element
   Raw r[K];
   load_group<FMT>(r, m, first, nk, nbs, lane, p);
   for (;;) {
-    const long long next = first + step;
-    const int nk_next = blocks_at(next);       // 0 unless the grid was capped (decode_ahead)
+    const bool more = first < touched - step;  // false unless the grid was capped (decode_ahead)
+    const int next = first + (more ? step : 0), nk_next = more ? min(K, touched - next) : 0;
     Raw rn[K];
-    if (decode_ahead<FMT>() && nk_next) load_group<FMT>(rn, m, next, nk_next, nbs, lane, p);
+    if (decode_ahead<FMT>() && more) load_group<FMT>(rn, m, next, nk_next, nbs, lane, p);
     float v[K][E];
     decode_blocks<FMT, ROT, SCALE, K>(r, v, lane, p, smem[warp], dt == TACO_F32);
-    store_group<K>(out, dt, aligned, n, msg * p.L + first * B + lane * E, nk, v);
-    if (!nk_next) break;
+    store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * B + lane * E, nk, v);
+    if (!more) break;
     if (decode_ahead<FMT>()) {
 #pragma unroll
       for (int k = 0; k < K; k++) r[k] = rn[k];
@@ -801,30 +837,33 @@ __global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, 
 
 // The sum is taken in the rotated domain (taco.Codec.reduce_encode): each message decoded up to, not
 // through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
-// transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs.
+// transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs. Past
+// RED_CTAS_PER_SM CTAs per SM the grid is capped and each warp takes groups of KR blocks in turn, so
+// that its setup is paid once for them.
 template <int FMT, bool SCALE>
 __global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const long long nbs = p.L / B;
-  const long long first = ((long long)blockIdx.x * WARPS + warp) * KR;
-  if (first >= nbs) return;
-  const int nk = (int)min((long long)KR, nbs - first);
-  float acc[KR][E], v[KR][E];
-  Raw r[KR], next[KR];
-  load_group<FMT, KR, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
-  if (P > 1) load_group<FMT, KR, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);   // before the math
-  decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
-  for (int i = 1; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
+  const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * KR;
+  for (int first = (blockIdx.x * WARPS + warp) * KR; first < nbs; first += step) {
+    const int nk = min(KR, nbs - first);
+    float acc[KR][E], v[KR][E];
+    Raw r[KR], next[KR];
+    load_group<FMT, KR, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
+    if (P > 1)                                  // before the math
+      load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
+    decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
+    for (int i = 1; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
 #pragma unroll
-    for (int k = 0; k < KR; k++) r[k] = next[k];
-    if (i + 1 < P) load_group<FMT, KR, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
-    decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
+      for (int k = 0; k < KR; k++) r[k] = next[k];
+      if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
+      decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
 #pragma unroll
-    for (int k = 0; k < KR; k++)
+      for (int k = 0; k < KR; k++)
 #pragma unroll
-      for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
+        for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
+    }
+    encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
   }
-  encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
 }
 
 // --- the barrier (taco_kernels.h): one thread per peer --------------------------------------------
@@ -867,21 +906,17 @@ __global__ void barrier_kernel(TacoPads pads, int me, int channel) {
   __trap();
 }
 
-unsigned grid_for(long long blocks, int per_warp) {
-  return (unsigned)((blocks + WARPS * per_warp - 1) / (WARPS * per_warp));
-}
-
-// with the prefetch: about two waves of CTAs (3 fit on an SM at 80 registers), each warp looping over
-// groups; without: one group per warp
-unsigned groups_grid(long long blocks, int M, bool ahead) {
-  const unsigned all = grid_for(blocks, K);
-  if (!ahead) return all;
+// CTAs for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when the warps loop
+// over groups, at most per_sm CTAs per SM over the M messages (encode and decode: ~2 waves at 3 CTAs per
+// SM; reduce-encode: ~4 waves at 4)
+unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M = 1) {
+  const long long all = (blocks + WARPS * per_warp - 1) / (WARPS * per_warp);
+  if (!loop) return (unsigned)all;
   static int sms[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 64 && !sms[dev]) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-  const long long cap = (long long)(dev < 64 && sms[dev] ? sms[dev] : 132) * 8 / M;
-  return (unsigned)max(1LL, min((long long)all, cap));
+  return (unsigned)max(1LL, min(all, (dev < 64 && sms[dev] ? sms[dev] : 132) * per_sm / M));
 }
 
 // encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
@@ -894,13 +929,14 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
             cudaStream_t st) {
   const long long blocks = p.L / B;
   if (op == Op::Encode) {
-    encode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, PREFETCH), M), 32 * WARPS, 0, st>>>(
+    encode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, PREFETCH, 8, M), M), 32 * WARPS, 0, st>>>(
         x, dt, n, p, (uint8_t*)out);
   } else if (op == Op::Decode) {
-    decode_kernel<FMT, ROT, SCALE><<<dim3(groups_grid(blocks, M, decode_ahead<FMT>()), M), 32 * WARPS, 0, st>>>(
+    decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, decode_ahead<FMT>(), 8, M), M), 32 * WARPS, 0, st>>>(
         buf, p, out, dt, n);
   } else {
-    reduce_encode_kernel<FMT, SCALE><<<grid_for(blocks, KR), 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
+    reduce_encode_kernel<FMT, SCALE><<<grid(blocks, KR, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, M, p,
+                                                                                                 (uint8_t*)out);
   }
 }
 
@@ -910,6 +946,7 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
 bool dispatch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
               cudaStream_t st) {
   const bool rot = p.rotate, scale = p.scale_block;
+  if (p.L / B >= (1LL << 30)) return false;    // block indices are 32-bit (taco_kernels.params refuses it)
   if (p.fmt == TACO_E4M3) {
     if (rot && scale) launch<TACO_E4M3, true, true>(op, x, dt, n, buf, M, p, out, st);
     else if (rot) launch<TACO_E4M3, true, false>(op, x, dt, n, buf, M, p, out, st);

@@ -80,7 +80,10 @@ def _split_compile():
 
 @functools.lru_cache(maxsize=1024)
 def params(cd, L):
-    """The kernels' TacoParams for codec cd and messages of L elements."""
+    """The kernels' TacoParams for codec cd and messages of L elements (the kernels index blocks
+    with 32-bit integers: at most 2^38 elements per message)."""
+    if L >= 2 ** 38:
+        raise ValueError(f"taco kernels: a message of {L} elements; at most 2^38 (split the tensor)")
     sp, p = cd.spec, load().Params()
     p.fmt = getattr(load().Fmt, sp.fmt)
     p.adaptive, p.rotate, p.scale_block, p.nmeta = sp.adaptive, sp.rotate, sp.scale == "block", cd.nmeta

@@ -520,6 +520,12 @@ def test_non_float_tensors_are_refused_and_chunks_checked(name):
         taco.all_reduce(torch.ones(10), codec=name, chunks=0)
 
 
+def test_kernel_params_refuse_a_message_past_32_bit_block_indices():
+    import taco_kernels       # the check comes before the extension is loaded, so it runs on a CPU too
+    with pytest.raises(ValueError, match="at most 2\\^38"):
+        taco_kernels.params(taco.get_codec("hint8"), 2 ** 38)
+
+
 # --- the rounding rule: to nearest, ties to even, against independent definitions --------------
 
 def e4m3_values():
