@@ -788,6 +788,8 @@ __global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const
           for (int j = 0; j < E; j++) v[k][j] = 0.f;
       }
     }
+    // (this form, not next = first + step; more = next < nbs, is what the register counts were measured
+    // with: the plainer one gave ptxas other choices, spills here and 80 registers for INT6 decode)
     const bool more = first < nbs - step;
     const int next = first + (more ? step : 0);
     if (ahead && more) fetch_group<K>(pre, x, next + K <= whole, n, base + (long long)next * B, nbs - next);
