@@ -30,19 +30,25 @@ TacoMsgs contiguous(const torch::Tensor& buf) {
   return TacoMsgs{buf.data_ptr<uint8_t>(), {}, 0};
 }
 
+// 1 to TACO_MAX_PEERS device addresses (what: their name in the error) into dst; returns how many
+template <typename T>
+int addresses(const std::vector<int64_t>& ptrs, T* (&dst)[TACO_MAX_PEERS], const char* what) {
+  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= TACO_MAX_PEERS, "taco: 1 to ", TACO_MAX_PEERS, " ", what);
+  for (size_t i = 0; i < ptrs.size(); i++) dst[i] = reinterpret_cast<T*>(ptrs[i]);
+  return (int)ptrs.size();
+}
+
 // message m at address ptrs[m]: buffers in the peers' symmetric memory (the caller keeps them alive)
 TacoMsgs scattered(const std::vector<int64_t>& ptrs) {
-  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= TACO_MAX_PEERS, "taco: 1 to ", TACO_MAX_PEERS, " message pointers");
-  TacoMsgs m{nullptr, {}, (int)ptrs.size()};
-  for (size_t i = 0; i < ptrs.size(); i++) m.ptr[i] = reinterpret_cast<const uint8_t*>(ptrs[i]);
+  TacoMsgs m{nullptr, {}, 0};
+  m.n_ptr = addresses(ptrs, m.ptr, "message pointers");
   return m;
 }
 
 // rank r's signal pad at address ptrs[r] (PyTorch's symmetric memory: the handle's signal_pad_ptrs)
 TacoPads signal_pads(const std::vector<int64_t>& ptrs) {
-  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= TACO_MAX_PEERS, "taco: 1 to ", TACO_MAX_PEERS, " signal pads");
-  TacoPads s{{}, (int)ptrs.size()};
-  for (size_t i = 0; i < ptrs.size(); i++) s.pad[i] = reinterpret_cast<uint32_t*>(ptrs[i]);
+  TacoPads s{{}, 0};
+  s.W = addresses(ptrs, s.pad, "signal pads");
   return s;
 }
 
