@@ -118,28 +118,30 @@ def host_time(fn, iters=50, reps=5):
 # -----------------------------------------------------------------------------
 # the kernels, against the copy ceiling and the unfused reference
 
-def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256), tag="kernels"):
-    """Fused compress / decompress / reduce-compress GB/s (bytes read + written) on bf16 input,
-    next to a device-to-device copy (the ceiling) and the unfused PyTorch reference, same run."""
+def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256), tag="kernels", dtype="bfloat16"):
+    """Fused compress / decompress / reduce-compress GB/s (bytes read + written), input and output in
+    dtype, next to a device-to-device copy of it (the ceiling) and the unfused PyTorch reference."""
+    dt = getattr(torch, dtype)
+    es = torch.empty((), dtype=dt).element_size()
     taco_kernels.load()
     rows = []
     for m in sizes_m:
         n = m * 2 ** 20
-        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(n, device="cuda", dtype=dt)
         y = torch.empty_like(x)
         t_copy = device_time(lambda: y.copy_(x))
-        copy_gbs = 4 * n / t_copy / 1e3
+        copy_gbs = 2 * es * n / t_copy / 1e3
         rows.append({"elements": f"{m}M", "op": "copy (ceiling)", "codec": "-", "us": f"{t_copy:.1f}",
                      "GB/s": f"{copy_gbs:.0f}", "% of copy": "100"})
         for name in codecs:
             cd = taco.get_codec(name)
             S = cd.nbytes(n)
             buf, half = cd.encode(x, 1, n), cd.encode(x, 2, n // 2)
-            ops = [("compress", lambda: cd.encode(x, 1, n), 2 * n + S),
-                   ("decompress", lambda: cd.decode(buf, n, n, torch.bfloat16, out=y), S + 2 * n),
+            ops = [("compress", lambda: cd.encode(x, 1, n), es * n + S),
+                   ("decompress", lambda: cd.decode(buf, n, n, dt, out=y), S + es * n),
                    ("reduce-compress P=2", lambda: cd.reduce_encode(half, n // 2), 3 * cd.nbytes(n // 2))]
             if m <= 64:
-                ops.append(("compress, unfused torch", lambda: cd._encode_ref(x, 1, n), 2 * n + S))
+                ops.append(("compress, unfused torch", lambda: cd._encode_ref(x, 1, n), es * n + S))
             for op, fn, nbytes in ops:
                 t = cuda_time(fn, iters=5) if "unfused" in op else device_time(fn)
                 gbs = nbytes / t / 1e3
@@ -148,8 +150,8 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
         del x, y
         torch.cuda.empty_cache()
     save(tag, rows, nvcc_flags=os.environ.get("TACO_NVCC_FLAGS", ""), note="GB/s = (bytes read + bytes written) / "
-         "time; input bf16; time = mean GPU time of 50 back-to-back runs (launch overhead hidden), the unfused "
-         "reference: median of 5 single runs")
+         f"time; input and output {dtype} (reduce-compress: codes only); time = mean GPU time of 50 back-to-back "
+         "runs (launch overhead hidden), the unfused reference: median of 5 single runs")
     table(rows, ["elements", "op", "codec", "us", "GB/s", "% of copy"])
 
 
@@ -419,6 +421,8 @@ def main(argv):
     k = sub.add_parser("kernels", help="GPU: the fused kernels vs copy bandwidth and the PyTorch reference")
     k.add_argument("--tag", default="kernels", help="results/<tag>.json")
     k.add_argument("--sizes", default="1,4,16,64,256", help="millions of elements")
+    k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    k.add_argument("--codecs", default="hint8,taco,hint6")
     o = sub.add_parser("overlap", help="GPU: one all-reduce's codec kernels beside a weight-gradient matmul")
     o.add_argument("--codec", default="hint8")
     h = sub.add_parser("host", help="GPU: host microseconds of one eager compressed all-reduce call (1-rank group)")
@@ -432,7 +436,8 @@ def main(argv):
     e.add_argument("--tag", default="e2e", help="results/e2e_<tag>.json; after a lone --: train.py overrides")
     a = ap.parse_args(argv)
     if a.what == "kernels":
-        bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")))
+        bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")), dtype=a.dtype,
+                      codecs=tuple(a.codecs.split(",")))
     elif a.what == "overlap":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py overlap needs a CUDA GPU")

@@ -199,21 +199,50 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
   }
 }
 
+// c ? a : b, word by word as selects (written as a branch, the compiler makes two predicated stores of it,
+// each covering half the lanes)
+__device__ __forceinline__ unsigned pick(bool c, unsigned a, unsigned b) {
+  unsigned d;
+  asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
+      : "=r"(d) : "r"(a), "r"(b), "r"((unsigned)c));
+  return d;
+}
+
+__device__ __forceinline__ uint4 pick(bool c, uint4 a, uint4 b) {
+  return make_uint4(pick(c, a.x, b.x), pick(c, a.y, b.y), pick(c, a.z, b.z), pick(c, a.w, b.w));
+}
+
+// one 16-byte store (the compiler splits some of these into four otherwise)
+__device__ __forceinline__ void st16(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // N blocks' values from this lane's element i0 on, nk of them real; whole (as fetch_group's): from one
 // address
 template <int N>
 __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long long n, long long i0, int nk,
-                                            const float (&v)[N][E]) {
+                                            int lane, const float (&v)[N][E]) {
   if (!whole) {
 #pragma unroll
     for (int k = 0; k < N; k++)
       if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
   } else if (dt == TACO_F32) {
-    float4* p = reinterpret_cast<float4*>(static_cast<float*>(out) + i0);
+    // A lane's 8 values fill one 32-byte sector, but a store moves 16 bytes per lane: lanes 2i and 2i + 1
+    // swap halves first, so that each store writes whole sectors (the even lane's, then the odd's).
+    const bool odd = lane & 1;
+    float* p = static_cast<float*>(out) + i0 - 4 * odd;
 #pragma unroll
     for (int k = 0; k < N; k++) {
-      p[k * (B / 4)] = make_float4(v[k][0], v[k][1], v[k][2], v[k][3]);
-      p[k * (B / 4) + 1] = make_float4(v[k][4], v[k][5], v[k][6], v[k][7]);
+      const uint4 lo = make_uint4(__float_as_uint(v[k][0]), __float_as_uint(v[k][1]), __float_as_uint(v[k][2]),
+                                  __float_as_uint(v[k][3]));
+      const uint4 hi = make_uint4(__float_as_uint(v[k][4]), __float_as_uint(v[k][5]), __float_as_uint(v[k][6]),
+                                  __float_as_uint(v[k][7]));
+      const uint4 s = pick(odd, lo, hi);             // the even lane sends its high half, the odd its low
+      const uint4 r = make_uint4(__shfl_xor_sync(FULL, s.x, 1), __shfl_xor_sync(FULL, s.y, 1),
+                                 __shfl_xor_sync(FULL, s.z, 1), __shfl_xor_sync(FULL, s.w, 1));
+      st16(p + k * B, pick(odd, r, lo));
+      st16(p + k * B + E, pick(odd, hi, r));
     }
   } else {
     uint4* p = reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + i0);
@@ -823,7 +852,7 @@ __global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, 
     if (decode_ahead<FMT>() && more) load_group<FMT>(rn, m, next, nk_next, nbs, lane, p);
     float v[K][E];
     decode_blocks<FMT, ROT, SCALE, K>(r, v, lane, p, smem[warp], dt == TACO_F32);
-    store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * B + lane * E, nk, v);
+    store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * B + lane * E, nk, lane, v);
     if (!more) break;
     if (decode_ahead<FMT>()) {
 #pragma unroll

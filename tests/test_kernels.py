@@ -106,14 +106,16 @@ def test_decode_saturates_like_the_reference():
             assert same_values(cd.decode(buf.cuda(), L, L, odt).cpu(), ref), (name, odt)
 
 
-def test_decode_writes_into_a_strided_slice_only():
+@pytest.mark.parametrize("odt", DTYPES)
+@pytest.mark.parametrize("at", [1000, 1004, 1001])    # fp32: 32-byte aligned, 16-byte aligned, neither
+def test_decode_writes_into_a_slice_only(odt, at):
     cd = taco.get_codec("hint8")
     x = inputs(5000, torch.bfloat16, 3).cuda()
     buf = cd.encode(x, 2, cd.padded(2500))
-    out = torch.full((7000,), 7.0, dtype=torch.bfloat16, device="cuda")
-    cd.decode(buf, cd.padded(2500), 5000, out=out[1000:6000])
-    assert (out[:1000] == 7).all() and (out[6000:] == 7).all()
-    assert same_values(out[1000:6000].cpu(), cd.decode(buf.cpu(), cd.padded(2500), 5000, torch.bfloat16))
+    out = torch.full((7000,), 7.0, dtype=odt, device="cuda")
+    cd.decode(buf, cd.padded(2500), 5000, out=out[at:at + 5000])
+    assert (out[:at] == 7).all() and (out[at + 5000:] == 7).all()
+    assert same_values(out[at:at + 5000].cpu(), cd.decode(buf.cpu(), cd.padded(2500), 5000, odt))
 
 
 def test_roundtrip_on_gpu_matches_cpu():
