@@ -106,9 +106,17 @@ def test_decode_saturates_like_the_reference():
             assert same_values(cd.decode(buf.cuda(), L, L, odt).cpu(), ref), (name, odt)
 
 
+def test_decode_writes_into_a_strided_slice_only():       # the hack loop's test (README)
+    decode_into_a_slice(torch.bfloat16, 1000)
+
+
 @pytest.mark.parametrize("odt", DTYPES)
 @pytest.mark.parametrize("at", [1000, 1004, 1001])    # fp32: 32-byte aligned, 16-byte aligned, neither
-def test_decode_writes_into_a_slice_only(odt, at):
+def test_decode_into_slices_of_every_dtype_and_alignment(odt, at):
+    decode_into_a_slice(odt, at)
+
+
+def decode_into_a_slice(odt, at):
     cd = taco.get_codec("hint8")
     x = inputs(5000, torch.bfloat16, 3).cuda()
     buf = cd.encode(x, 2, cd.padded(2500))
