@@ -199,8 +199,9 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
   }
 }
 
-// c ? a : b, word by word as selects (written as a branch, the compiler makes two predicated stores of it,
-// each covering half the lanes)
+// c ? a : b, word by word as selects, and a 16-byte store that stays one: written plainly, a variant of
+// decode got two predicated stores (each covering half the lanes) or four 4-byte ones instead
+// (docs/KERNELS.md, "decode in block pairs"); here the plain forms compile alike, these are what was measured
 __device__ __forceinline__ unsigned pick(bool c, unsigned a, unsigned b) {
   unsigned d;
   asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
@@ -212,7 +213,6 @@ __device__ __forceinline__ uint4 pick(bool c, uint4 a, uint4 b) {
   return make_uint4(pick(c, a.x, b.x), pick(c, a.y, b.y), pick(c, a.z, b.z), pick(c, a.w, b.w));
 }
 
-// one 16-byte store (the compiler splits some of these into four otherwise)
 __device__ __forceinline__ void st16(void* p, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
