@@ -66,6 +66,7 @@ torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optio
   }
   TORCH_CHECK(taco_encode(x.data_ptr(), dtype_code(x), x.numel(), (int)M, p, out.data_ptr<uint8_t>(),
                           c10::cuda::getCurrentCUDAStream()), UNSUPPORTED);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();               // a refused launch raises: no stale bytes
   return out;
 }
 
@@ -74,6 +75,7 @@ torch::Tensor decode(TacoMsgs msgs, int64_t M, torch::Tensor out, const TacoPara
   const c10::cuda::CUDAGuard guard(out.device());
   TORCH_CHECK(taco_decode(msgs, (int)M, p, out.data_ptr(), dtype_code(out), out.numel(),
                           c10::cuda::getCurrentCUDAStream()), UNSUPPORTED);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
@@ -84,6 +86,7 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const T
               p.S, " bytes");
   TORCH_CHECK(taco_reduce_encode(msgs, (int)P, p, out.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream()),
               UNSUPPORTED);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 

@@ -1,7 +1,9 @@
 // taco_kernels.cu — fused TACO codec kernels: compress, decompress, decompress-reduce-compress.
 //
 // Work split: a warp owns K = 4 blocks of B = 256 elements and runs them in lock step (all loads
-// issued first, then each stage for the K blocks: independent instructions that hide latency).
+// issued first, then each stage for the K blocks: independent instructions that hide latency), and
+// loops over such groups, fetching the next group's input while it computes this one (decode into
+// registers; encode and the reduce step into shared memory, cp.async, which holds no registers).
 // A block is read from global memory once and written once.
 //
 // Where each lane keeps its 8 elements of a block (an element's index in the block is b7..b0):
@@ -41,10 +43,14 @@
 #ifndef TACO_KR
 #define TACO_KR 2         // blocks per warp in reduce-encode
 #endif
-// register caps as CTAs per SM (__launch_bounds__'s second argument): encode 3 (at most 80 registers);
-// decode and reduce-encode uncapped unless set (an explicit 1 is not the same: ptxas then takes more)
+// register caps as CTAs per SM (__launch_bounds__'s second argument): encode 7 CTAs of 4 warps (at most
+// 72 registers); decode and reduce-encode uncapped unless set (an explicit 1 is not the same: ptxas then
+// takes more)
+#ifndef TACO_ENC_WARPS
+#define TACO_ENC_WARPS 4  // warps per CTA in encode (shared memory per warp: the butterflies', the staged input)
+#endif
 #ifndef TACO_ENC_CTAS
-#define TACO_ENC_CTAS 3
+#define TACO_ENC_CTAS 7
 #endif
 #ifdef TACO_DEC_CTAS
 #define DEC_BOUNDS __launch_bounds__(32 * WARPS, TACO_DEC_CTAS)
@@ -56,6 +62,9 @@
 #else
 #define RED_BOUNDS __launch_bounds__(32 * WARPS)
 #endif
+#ifndef TACO_RED_STAGE
+#define TACO_RED_STAGE 1  // 1: reduce-encode stages the next group's messages in shared memory (cp.async)
+#endif
 #ifndef TACO_PREFETCH
 #define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
 #endif
@@ -64,7 +73,8 @@ namespace {
 
 constexpr int B = 256;                 // block size the kernels are built for
 constexpr int E = 8;                   // elements per lane
-constexpr int WARPS = 8;               // warps per CTA
+constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
+constexpr int EW = TACO_ENC_WARPS;     // warps per CTA in encode
 constexpr int K = TACO_K;              // blocks per warp in encode / decode
 constexpr int KR = TACO_KR;            // blocks per warp in reduce-encode (it holds two sets of values)
 constexpr bool PREFETCH = TACO_PREFETCH;
@@ -79,7 +89,7 @@ constexpr float S_MIN = 0x1p-126f;     // the smallest block scale (1 / s stays 
 
 // --- loads and stores of 8 consecutive elements (dtype decided per call: a warp-uniform branch) ---
 
-// 8 consecutive 16-bit elements as raw bits (zeros past n), and their values: the prefetched form
+// 8 consecutive 16-bit elements as raw bits (zeros past n), and their values
 __device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i0) {
   const unsigned short* p = static_cast<const unsigned short*>(x) + i0;
   if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
@@ -130,20 +140,55 @@ __device__ __forceinline__ void load8(const void* x, int dt, long long n, long l
   }
 }
 
-// The 16-bit inputs of N blocks from this lane's element i0 on, zeros past the last block (nk: the
-// blocks there are). whole: the group lies inside the tensor and x is 16-byte aligned (the caller's
-// one test per group, see whole_blocks); then N loads from one address.
-template <int N>
-__device__ __forceinline__ void fetch_group(uint4 (&u)[N], const void* x, bool whole, long long n, long long i0,
-                                            int nk) {
-  if (whole) {
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + i0);
+// Encode's input, copied into shared memory while the group before computes (cp.async: no registers
+// held, not through L1), from a 16-byte aligned x and whole blocks. Slots of 16 bytes, per warp and
+// block 32 (16-bit input: lane t copies the 16 bytes it will read, its 8 elements) or 64 (fp32: chunk
+// c of the block by lane c % 32, so that each copy instruction covers 512 contiguous bytes, into slot
+// c ^ ((c >> 3) & 1), so that a lane's reads of chunks 2t, 2t + 1 meet no bank conflict). `after`: a
+// zero computed from the values this warp last read from the slots: no copy is issued before those
+// reads have returned.
+__device__ __forceinline__ int f32_slot(int c) { return c ^ ((c >> 3) & 1); }
+
+template <bool F32>
+__device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after, const void* x, long long g0) {
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(st) + after;
 #pragma unroll
-    for (int k = 0; k < N; k++) u[k] = __ldg(p + k * (B / 8));
-  } else {
+  for (int k = 0; k < K; k++) {
 #pragma unroll
-    for (int k = 0; k < N; k++) u[k] = k < nk ? fetch16(x, n, i0 + k * B) : make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < (F32 ? 2 : 1); r++) {
+      const int c = lane + 32 * r;
+      const long long e = g0 + k * B + (F32 ? 4 : 8) * c;                 // the chunk's first element
+      const char* src = static_cast<const char*>(x) + (F32 ? 4 : 2) * e;
+      const int slot = F32 ? k * 64 + f32_slot(c) : k * 32 + c;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * slot), "l"(src) : "memory");
+    }
   }
+}
+
+// the staged group's values, layout A; returns `after`
+__device__ __forceinline__ unsigned unstage_group(const uint4* st, int lane, int dt, float (&v)[K][E]) {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncwarp();                                  // fp32: the chunks other lanes copied
+  unsigned after = 0u;
+  if (dt == TACO_F32) {
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      const uint4 a = st[k * 64 + f32_slot(2 * lane)], b = st[k * 64 + f32_slot(2 * lane + 1)];
+      const unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = __uint_as_float(w[j]);
+      after |= a.x | b.x;
+    }
+  } else {
+    uint4 u[K];
+#pragma unroll
+    for (int k = 0; k < K; k++) {
+      u[k] = st[k * 32 + lane];
+      after |= u[k].x;
+    }
+    unpack_group<K>(u, dt, v);
+  }
+  return after & (unsigned)(dt >> 2);            // dt < 4: a zero the compiler cannot see
 }
 
 // Of a message's nbs blocks, how many lie wholly inside a tensor whose rem elements from the message's
@@ -218,7 +263,8 @@ __device__ __forceinline__ void st16(void* p, uint4 v) {
                : "memory");
 }
 
-// N blocks' values from this lane's element i0 on, nk of them real; whole (as fetch_group's): from one
+// N blocks' values from this lane's element i0 on, nk of them real; whole: the group lies inside the
+// tensor and out is 16-byte aligned (the caller's one test per group, see whole_blocks): stores from one
 // address
 template <int N>
 __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long long n, long long i0, int nk,
@@ -786,42 +832,55 @@ __host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TA
 // --- kernels: grid (groups of WARPS * K blocks, messages); with PREFETCH the grid is capped and each
 // warp strides over groups, issuing the next group's loads before this group's math ---------------
 
-// at most 80 registers, so that three CTAs fit on an SM (ptxas wants 84, which allots 88: two CTAs);
-// costs a small spill (8 bytes)
+// 4 warps per CTA and at most 72 registers, so that 7 CTAs (28 warps) fit on an SM: the next group's
+// input waits in shared memory (dynamic: 8 or 16 KB per CTA), not in registers
 template <int FMT, bool ROT, bool SCALE>
-__global__ void __launch_bounds__(32 * WARPS, TACO_ENC_CTAS) encode_kernel(const void* x, int dt, long long n,
-                                                                       TacoParams p, uint8_t* out) {
-  __shared__ __align__(16) float smem[WARPS][K][SMW];
+__global__ void __launch_bounds__(32 * EW, TACO_ENC_CTAS) encode_kernel(const void* x, int dt, long long n,
+                                                                     TacoParams p, uint8_t* out) {
+  __shared__ __align__(16) float smem[EW][K][SMW];
+  extern __shared__ __align__(16) uint4 staged_input[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * K;
-  int first = (blockIdx.x * WARPS + warp) * K;
+  const int nbs = (int)(p.L / B), step = gridDim.x * EW * K;
+  int first = (blockIdx.x * EW + warp) * K;
   if (first >= nbs) return;                    // the whole warp: no lane waits at a __syncwarp
-  const long long msg = blockIdx.y, base = msg * p.L + lane * E;   // the lane's first element of block 0
+  const long long msg = blockIdx.y, base = msg * p.L;   // the message's first element
   uint8_t* const m = out + msg * p.S;
-  // groups first + K <= whole lie inside x; from a 16-byte aligned x, so is every lane's first element
-  const int whole = (reinterpret_cast<uintptr_t>(x) & 15) ? 0 : whole_blocks(n - msg * p.L, nbs);
-  const bool ahead = PREFETCH && dt != TACO_F32;   // 16-bit inputs: 16 bytes per lane and block
-  uint4 pre[K];
-  if (ahead) fetch_group<K>(pre, x, first + K <= whole, n, base + (long long)first * B, nbs - first);
+  // groups first + K <= whole lie inside x, and are staged when x is 16-byte aligned
+  const int whole = (reinterpret_cast<uintptr_t>(x) & 15) ? 0 : whole_blocks(n - base, nbs);
+  const bool f32 = dt == TACO_F32;
+  uint4* const st = staged_input + warp * K * (f32 ? 64 : 32);
+  bool staged = false;                         // the first group is loaded directly, the next ones staged
   for (;;) {
     const int nk = min(K, nbs - first);
     float v[K][E];
-    if (ahead) {
-      unpack_group<K>(pre, dt, v);
+    unsigned after = 0u;
+    if (staged) {
+      after = unstage_group(st, lane, dt, v);
+    } else if (!f32 && first + K <= whole) {     // 16-bit, a whole group: K loads from one address
+      const uint4* q = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + base +
+                                                      (long long)first * B + lane * E);
+      uint4 u[K];
+#pragma unroll
+      for (int k = 0; k < K; k++) u[k] = __ldg(q + k * (B / 8));
+      unpack_group<K>(u, dt, v);
     } else {
 #pragma unroll
       for (int k = 0; k < K; k++) {
-        if (k < nk) load8(x, dt, n, base + (long long)(first + k) * B, v[k]);
+        if (k < nk) load8(x, dt, n, base + (long long)(first + k) * B + lane * E, v[k]);
         else
 #pragma unroll
           for (int j = 0; j < E; j++) v[k][j] = 0.f;
       }
     }
     // (this form, not next = first + step; more = next < nbs, is what the register counts were measured
-    // with: the plainer one gave ptxas other choices, spills here and 80 registers for INT6 decode)
+    // with: the plainer one gave ptxas other choices)
     const bool more = first < nbs - step;
     const int next = first + (more ? step : 0);
-    if (ahead && more) fetch_group<K>(pre, x, next + K <= whole, n, base + (long long)next * B, nbs - next);
+    staged = PREFETCH && more && next + K <= whole;
+    if (staged) {
+      if (f32) stage_group<true>(st, lane, after, x, base + (long long)next * B);
+      else stage_group<false>(st, lane, after, x, base + (long long)next * B);
+    }
     encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, m, first, nbs, smem[warp]);
     if (!more) break;
     first = next;
@@ -866,34 +925,127 @@ __global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, 
   }
 }
 
+// Reduce-encode's input, staged like encode's: per warp two buffers (this group's, the next one's) of P
+// segments, a segment = message i's KR payloads (16-byte chunks, one per lane) and their metadata words.
+template <int FMT>
+__host__ __device__ constexpr int red_segment() { return KR * (FMT == TACO_INT6 ? 192 : 256) + 16; }
+
+template <int FMT>
+__device__ __forceinline__ void stage_msgs(uint8_t* seg, const TacoMsgs& buf, int P, int first, int nk, int nbs,
+                                           int lane, const TacoParams& p) {
+  constexpr int pb = FMT == TACO_INT6 ? 192 : 256;
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(seg);
+  for (int i = 0; i < P; i++) {
+    const uint8_t* msg = buf.base + i * p.S;
+    const unsigned at = dst + i * red_segment<FMT>();
+    if (lane < nk * (pb / 16))                  // chunk `lane` of the blocks' payloads
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at + 16 * lane),
+                   "l"(msg + (long long)first * pb + 16 * lane) : "memory");
+    const float* meta = reinterpret_cast<const float*>(msg + (long long)nbs * pb) + (long long)first * p.nmeta;
+    if (lane < nk * p.nmeta)                    // word `lane` of their metadata
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(at + KR * pb + 4 * lane), "l"(meta + lane)
+                   : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// message i's blocks from its staged segment (as load_blocks reads them from global memory)
+template <int FMT>
+__device__ __forceinline__ void unstage_msg(Raw (&r)[KR], const uint8_t* seg, int lane, const TacoParams& p) {
+  constexpr int pb = FMT == TACO_INT6 ? 192 : 256;
+  const float* meta = reinterpret_cast<const float*>(seg + KR * pb);
+#pragma unroll
+  for (int k = 0; k < KR; k++) {
+    if (FMT == TACO_INT6) {
+      const unsigned* w = reinterpret_cast<const unsigned*>(seg + k * pb + 6 * lane - 2 * (lane & 1));
+      const unsigned long long v = (w[0] | (unsigned long long)w[1] << 32) >> (16 * (lane & 1));
+      r[k].lo = (unsigned)v;
+      r[k].hi = (unsigned)(v >> 24);
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(seg + k * pb + 8 * lane);
+      r[k].lo = u.x;
+      r[k].hi = u.y;
+    }
+    r[k].s = p.scale_block ? meta[k * p.nmeta + p.nmeta - 1] : 1.f;
+    r[k].alpha = p.adaptive ? meta[k * p.nmeta] : 1.f;
+  }
+}
+
+// acc += r's blocks decoded up to the inverse rotation (v: room for them)
+template <int FMT, bool SCALE>
+__device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E], float (&acc)[KR][E], int lane,
+                                            const TacoParams& p) {
+  decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
+#pragma unroll
+  for (int k = 0; k < KR; k++)
+#pragma unroll
+    for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
+}
+
+// Staged when the warps loop over groups (a single pass has nothing to overlap; loaded directly, it is
+// faster) and the messages lie in one 16-byte aligned buffer (the peers' buffers of taco_symm.py are read
+// directly): the host's choice of kernel, and of shared memory.
+bool reduce_staged(const TacoMsgs& buf, int P, long long nbs, long long step) {
+  return TACO_RED_STAGE && nbs > step && !buf.n_ptr && !(reinterpret_cast<uintptr_t>(buf.base) & 15) &&
+         P <= TACO_MAX_PEERS;
+}
+
 // The sum is taken in the rotated domain (taco.Codec.reduce_encode): each message decoded up to, not
 // through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
 // transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs. Past
 // RED_CTAS_PER_SM CTAs per SM the grid is capped and each warp takes groups of KR blocks in turn, so
 // that its setup is paid once for them.
-template <int FMT, bool SCALE>
+template <int FMT, bool SCALE, bool STAGED>
 __global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
+  extern __shared__ __align__(16) uint8_t red_staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * KR;
-  for (int first = (blockIdx.x * WARPS + warp) * KR; first < nbs; first += step) {
-    const int nk = min(KR, nbs - first);
-    float acc[KR][E], v[KR][E];
-    Raw r[KR], next[KR];
-    load_group<FMT, KR, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
-    if (P > 1)                                  // before the math
-      load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
-    decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
-    for (int i = 1; i < P; i++) {               // fp32 sum in message order 0, 1, ..., P-1
-#pragma unroll
-      for (int k = 0; k < KR; k++) r[k] = next[k];
-      if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
-      decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
-#pragma unroll
-      for (int k = 0; k < KR; k++)
-#pragma unroll
-        for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
+  int first = (blockIdx.x * WARPS + warp) * KR;
+  if (first >= nbs) return;
+  float acc[KR][E], v[KR][E];
+  Raw r[KR];
+  if constexpr (STAGED) {
+    constexpr int SEG = red_segment<FMT>();
+    uint8_t* const mine = red_staged + warp * 2 * P * SEG;
+    stage_msgs<FMT>(mine, buf, P, first, min(KR, nbs - first), nbs, lane, p);
+    for (int b = 0;; b ^= 1) {
+      const int nk = min(KR, nbs - first), next = first + step;
+      const bool more = next < nbs;
+      if (more) {
+        stage_msgs<FMT>(mine + (b ^ 1) * P * SEG, buf, P, next, min(KR, nbs - next), nbs, lane, p);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");     // this group's, not the next one's
+      } else {
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+      }
+      __syncwarp();                                                // the chunks other lanes copied
+      const uint8_t* seg = mine + b * P * SEG;
+      unstage_msg<FMT>(r, seg, lane, p);
+      decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
+      for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
+        unstage_msg<FMT>(r, seg + i * SEG, lane, p);
+        add_decoded<FMT, SCALE>(r, v, acc, lane, p);
+      }
+      encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
+      if (!more) break;
+      first = next;
+      __syncwarp();                              // buffer b's reads are done before it is refilled
     }
-    encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
+  } else {
+    for (; first < nbs; first += step) {
+      const int nk = min(KR, nbs - first);
+      Raw next[KR];
+      load_group<FMT, KR, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
+      if (P > 1)                                // before the math
+        load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
+      decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
+      for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
+#pragma unroll
+        for (int k = 0; k < KR; k++) r[k] = next[k];
+        if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
+        add_decoded<FMT, SCALE>(r, v, acc, lane, p);
+      }
+      encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
+    }
   }
 }
 
@@ -940,14 +1092,23 @@ __global__ void barrier_kernel(TacoPads pads, int me, int channel) {
 // CTAs for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when the warps loop
 // over groups, at most per_sm CTAs per SM over the M messages (encode and decode: ~2 waves at 3 CTAs per
 // SM; reduce-encode: ~4 waves at 4)
-unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M = 1) {
-  const long long all = (blocks + WARPS * per_warp - 1) / (WARPS * per_warp);
+unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M = 1, int warps = WARPS) {
+  const long long all = (blocks + warps * per_warp - 1) / (warps * per_warp);
   if (!loop) return (unsigned)all;
   static int sms[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 64 && !sms[dev]) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
   return (unsigned)max(1LL, min(all, (dev < 64 && sms[dev] ? sms[dev] : 132) * per_sm / M));
+}
+
+// CTAs of `kernel` an SM holds at once, with `smem` bytes of dynamic shared memory: the grid caps are
+// multiples of it, so that no wave runs part-empty
+template <typename Kernel>
+int resident(Kernel kernel, int threads, int smem) {
+  int n = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+  return n > 0 ? n : 1;
 }
 
 // encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
@@ -960,14 +1121,30 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
             cudaStream_t st) {
   const long long blocks = p.L / B;
   if (op == Op::Encode) {
-    encode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, PREFETCH, 8, M), M), 32 * WARPS, 0, st>>>(
-        x, dt, n, p, (uint8_t*)out);
+    const bool f32 = dt == TACO_F32;
+    const int staged = EW * K * 32 * (f32 ? 32 : 16);               // bytes of dynamic shared memory
+    static const int per_sm[2] = {resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, EW * K * 32 * 16),
+                                  resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, EW * K * 32 * 32)};
+    const dim3 g(grid(blocks, K, PREFETCH, 2 * per_sm[f32], M, EW), M);   // ~2 waves
+    encode_kernel<FMT, ROT, SCALE><<<g, 32 * EW, staged, st>>>(x, dt, n, p, (uint8_t*)out);
   } else if (op == Op::Decode) {
     decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, decode_ahead<FMT>(), 8, M), M), 32 * WARPS, 0, st>>>(
         buf, p, out, dt, n);
   } else {
-    reduce_encode_kernel<FMT, SCALE><<<grid(blocks, KR, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, M, p,
-                                                                                                 (uint8_t*)out);
+    const unsigned g = grid(blocks, KR, true, RED_CTAS_PER_SM);
+    if (reduce_staged(buf, M, blocks, (long long)g * WARPS * KR)) {
+      // two buffers of M segments per warp: up to 67.6 KB per CTA, past the default 48 KB
+      const int smem = WARPS * 2 * M * red_segment<FMT>();
+      static const cudaError_t opt_in = cudaFuncSetAttribute(reduce_encode_kernel<FMT, SCALE, true>,
+          cudaFuncAttributeMaxDynamicSharedMemorySize, WARPS * 2 * TACO_MAX_PEERS * red_segment<FMT>());
+      (void)opt_in;                               // a failure shows as the launch's error
+      static int per_sm[TACO_MAX_PEERS + 1] = {};
+      if (!per_sm[M]) per_sm[M] = resident(reduce_encode_kernel<FMT, SCALE, true>, 32 * WARPS, smem);
+      const unsigned gs = grid(blocks, KR, true, 4 * per_sm[M]);                  // ~4 waves
+      reduce_encode_kernel<FMT, SCALE, true><<<gs, 32 * WARPS, smem, st>>>(buf, M, p, (uint8_t*)out);
+    } else {
+      reduce_encode_kernel<FMT, SCALE, false><<<g, 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
+    }
   }
 }
 

@@ -86,6 +86,37 @@ def test_reduce_encode_bit_exact(name, P):
     ref = cd.reduce_encode(msgs, L)                       # CPU tensors: the reference
     ker = cd.reduce_encode(msgs.cuda(), L)
     assert torch.equal(ker.cpu(), ref)
+    odd = torch.empty(msgs.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(msgs.shape)
+    odd.copy_(msgs)                                       # messages not 16-byte aligned: not staged
+    assert torch.equal(cd.reduce_encode(odd, L).cpu(), ref)
+
+
+@pytest.mark.parametrize("name", ["hint8", "hint6", "taco"])
+def test_grid_stride_loops_bit_exact(name, monkeypatch):
+    """More blocks than one pass of each capped grid covers, so that every warp loops over groups,
+    loading the next while it computes this one; the reference is torch's, on the GPU."""
+    cd = taco.get_codec(name)
+    n = 12 * 2 ** 20 + 5
+    L = cd.padded(n)
+
+    def reference(f):
+        monkeypatch.setenv("TACO_KERNELS", "0")
+        try:
+            return f()
+        finally:
+            monkeypatch.setenv("TACO_KERNELS", "1")
+
+    msgs = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x = inputs(n + 1, dtype, 11).cuda()
+        for xs in (x[:n], x[1:]):                         # from an aligned and an unaligned start
+            ker = cd.encode(xs, 1, L)
+            assert torch.equal(ker, reference(lambda: cd.encode(xs, 1, L))), (dtype, xs.data_ptr() % 16)
+            assert same_values(cd.decode(ker, L, n, dtype), reference(lambda: cd.decode(ker, L, n, dtype)))
+            msgs.append(ker[0])
+    for P in (2, 8):                                      # 8: the most shared memory the reduce step takes
+        m = torch.stack((msgs * 2)[:P])
+        assert torch.equal(cd.reduce_encode(m, L), reference(lambda: cd.reduce_encode(m, L))), P
 
 
 def test_decode_saturates_like_the_reference():
