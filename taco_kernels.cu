@@ -1103,12 +1103,20 @@ unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M
 }
 
 // CTAs of `kernel` an SM holds at once, with `smem` bytes of dynamic shared memory: the grid caps are
-// multiples of it, so that no wave runs part-empty
+// multiples of it, so that no wave runs part-empty. Asked once, outside a CUDA-graph capture (see
+// capturing); the grid does not change the results.
 template <typename Kernel>
 int resident(Kernel kernel, int threads, int smem) {
   int n = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
   return n > 0 ? n : 1;
+}
+
+// Whether st is being captured into a CUDA graph: then the launches ask the driver nothing (occupancy,
+// attributes) and take defaults until a launch outside a capture has asked.
+bool capturing(cudaStream_t st) {
+  cudaStreamCaptureStatus s = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(st, &s) != cudaSuccess || s != cudaStreamCaptureStatusNone;
 }
 
 // encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
@@ -1123,23 +1131,26 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
   if (op == Op::Encode) {
     const bool f32 = dt == TACO_F32;
     const int staged = EW * K * 32 * (f32 ? 32 : 16);               // bytes of dynamic shared memory
-    static const int per_sm[2] = {resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, EW * K * 32 * 16),
-                                  resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, EW * K * 32 * 32)};
-    const dim3 g(grid(blocks, K, PREFETCH, 2 * per_sm[f32], M, EW), M);   // ~2 waves
+    static int per_sm[2] = {};                                       // 16-bit, fp32 input
+    if (!per_sm[f32] && !capturing(st)) per_sm[f32] = resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, staged);
+    const int cap = 2 * (per_sm[f32] ? per_sm[f32] : TACO_ENC_CTAS);  // ~2 waves
+    const dim3 g(grid(blocks, K, PREFETCH, cap, M, EW), M);
     encode_kernel<FMT, ROT, SCALE><<<g, 32 * EW, staged, st>>>(x, dt, n, p, (uint8_t*)out);
   } else if (op == Op::Decode) {
     decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, decode_ahead<FMT>(), 8, M), M), 32 * WARPS, 0, st>>>(
         buf, p, out, dt, n);
   } else {
     const unsigned g = grid(blocks, KR, true, RED_CTAS_PER_SM);
-    if (reduce_staged(buf, M, blocks, (long long)g * WARPS * KR)) {
-      // two buffers of M segments per warp: up to 67.6 KB per CTA, past the default 48 KB
+    static int per_sm[TACO_MAX_PEERS + 1] = {};  // staged, by M; 0: not asked yet
+    if (reduce_staged(buf, M, blocks, (long long)g * WARPS * KR) && (per_sm[M] || !capturing(st))) {
+      // two buffers of M segments per warp: up to 67.6 KB per CTA, past the default 48 KB (a failure to
+      // allow it shows as the launch's error)
       const int smem = WARPS * 2 * M * red_segment<FMT>();
-      static const cudaError_t opt_in = cudaFuncSetAttribute(reduce_encode_kernel<FMT, SCALE, true>,
-          cudaFuncAttributeMaxDynamicSharedMemorySize, WARPS * 2 * TACO_MAX_PEERS * red_segment<FMT>());
-      (void)opt_in;                               // a failure shows as the launch's error
-      static int per_sm[TACO_MAX_PEERS + 1] = {};
-      if (!per_sm[M]) per_sm[M] = resident(reduce_encode_kernel<FMT, SCALE, true>, 32 * WARPS, smem);
+      if (!per_sm[M]) {
+        cudaFuncSetAttribute(reduce_encode_kernel<FMT, SCALE, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             WARPS * 2 * TACO_MAX_PEERS * red_segment<FMT>());
+        per_sm[M] = resident(reduce_encode_kernel<FMT, SCALE, true>, 32 * WARPS, smem);
+      }
       const unsigned gs = grid(blocks, KR, true, 4 * per_sm[M]);                  // ~4 waves
       reduce_encode_kernel<FMT, SCALE, true><<<gs, 32 * WARPS, smem, st>>>(buf, M, p, (uint8_t*)out);
     } else {

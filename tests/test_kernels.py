@@ -119,6 +119,36 @@ def test_grid_stride_loops_bit_exact(name, monkeypatch):
         assert torch.equal(cd.reduce_encode(m, L), reference(lambda: cd.reduce_encode(m, L))), P
 
 
+FIRST_LAUNCH_IN_A_GRAPH = """
+import torch, taco, taco_kernels
+taco_kernels.load()
+cd, n = taco.get_codec("hint8"), 12 * 2 ** 20 + 5
+L = cd.padded(n)
+x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+msgs = torch.stack([cd._encode_ref(x, 1, L)[0], cd._encode_ref(x.flip(0), 1, L)[0]])
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph, stream=s):
+    out = (cd.encode(x, 1, L), cd.reduce_encode(msgs, L), cd.decode(msgs, L, n, torch.bfloat16))
+graph.replay()
+torch.cuda.synchronize()
+eager = (cd.encode(x, 1, L), cd.reduce_encode(msgs, L), cd.decode(msgs, L, n, torch.bfloat16))
+assert all(torch.equal(a, b) for a, b in zip(out, eager)), "replayed != eager"
+"""
+
+
+def test_first_launches_inside_a_cuda_graph_capture():
+    """A process's first launch of a kernel may come inside a CUDA-graph capture (the symm transport
+    captures its first all-reduce): what a launch asks the driver must not break the capture. In a
+    fresh process, so that nothing was launched before."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_A_GRAPH], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_decode_saturates_like_the_reference():
     """Values past the output type's largest become it, fp32 overflows included (16-bit outputs
     saturate in their conversion): messages whose alpha is so small that 1/alpha carries the decoded
