@@ -1089,9 +1089,9 @@ __global__ void barrier_kernel(TacoPads pads, int me, int channel) {
   __trap();
 }
 
-// CTAs for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when the warps loop
-// over groups, at most per_sm CTAs per SM over the M messages (encode and decode: ~2 waves at 3 CTAs per
-// SM; reduce-encode: ~4 waves at 4)
+// CTAs of `warps` warps for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when
+// the warps loop over groups, at most per_sm CTAs per SM over the M messages (~2 waves for encode and
+// decode, ~4 for reduce-encode)
 unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M = 1, int warps = WARPS) {
   const long long all = (blocks + warps * per_warp - 1) / (warps * per_warp);
   if (!loop) return (unsigned)all;
