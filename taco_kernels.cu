@@ -520,7 +520,7 @@ __device__ __forceinline__ void write_codes(uint8_t* blk, int lane, unsigned lo,
 }
 
 template <int FMT>
-__device__ __forceinline__ int payload_bytes() { return FMT == TACO_INT6 ? 192 : 256; }
+__host__ __device__ constexpr int payload_bytes() { return FMT == TACO_INT6 ? 192 : 256; }
 
 // one lane's codes of one block (INT6: 4 codes of 6 bits in each word) and the block's metadata
 struct Raw {
@@ -928,12 +928,12 @@ __global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, 
 // Reduce-encode's input, staged like encode's: per warp two buffers (this group's, the next one's) of P
 // segments, a segment = message i's KR payloads (16-byte chunks, one per lane) and their metadata words.
 template <int FMT>
-__host__ __device__ constexpr int red_segment() { return KR * (FMT == TACO_INT6 ? 192 : 256) + 16; }
+__host__ __device__ constexpr int red_segment() { return KR * payload_bytes<FMT>() + 16; }
 
 template <int FMT>
 __device__ __forceinline__ void stage_msgs(uint8_t* seg, const TacoMsgs& buf, int P, int first, int nk, int nbs,
                                            int lane, const TacoParams& p) {
-  constexpr int pb = FMT == TACO_INT6 ? 192 : 256;
+  constexpr int pb = payload_bytes<FMT>();
   const unsigned dst = (unsigned)__cvta_generic_to_shared(seg);
   for (int i = 0; i < P; i++) {
     const uint8_t* msg = buf.base + i * p.S;
@@ -952,7 +952,7 @@ __device__ __forceinline__ void stage_msgs(uint8_t* seg, const TacoMsgs& buf, in
 // message i's blocks from its staged segment (as load_blocks reads them from global memory)
 template <int FMT>
 __device__ __forceinline__ void unstage_msg(Raw (&r)[KR], const uint8_t* seg, int lane, const TacoParams& p) {
-  constexpr int pb = FMT == TACO_INT6 ? 192 : 256;
+  constexpr int pb = payload_bytes<FMT>();
   const float* meta = reinterpret_cast<const float*>(seg + KR * pb);
 #pragma unroll
   for (int k = 0; k < KR; k++) {
