@@ -108,6 +108,7 @@ def test_hf_import_then_export_is_bit_exact(tmp_path):
         assert torch.equal(back[k], sd[k]), k
 
 
+@pytest.mark.slow
 def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
     """train.py --init_from=<HF folder> on TP=2 x PP=2 with a learning rate of 0: the checkpoint set,
     merged and exported, is the imported weights bit for bit (every shard went to the right rank)."""
@@ -200,6 +201,7 @@ def test_train_finds_its_data_from_any_working_directory(tmp_path):
 
 # --- two nodes on one machine -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_node_launch_tp_inside_pp_across(tmp_path):
     """Two torchrun launches as two nodes (2 ranks each, gloo, rendezvous on 127.0.0.1): TP=2 inside
     each node, PP=2 across them; trains a few steps."""

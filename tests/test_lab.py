@@ -95,6 +95,7 @@ def test_kernel_time_by_kind_from_a_trace(tmp_path):
                                                      "comm: symm two-shot", "memcpy/memset"]
 
 
+@pytest.mark.slow
 def test_study_runner_is_cumulative(tmp_path):
     """lab.study run: one emulated-TP run per codec, two at a time, appended to the study file; a
     second invocation finds them all done and only reports."""
@@ -110,6 +111,7 @@ def test_study_runner_is_cumulative(tmp_path):
     assert "lab.emulate" not in second.stdout and "vs none" in second.stdout
 
 
+@pytest.mark.slow
 def test_graph_runs_are_keyed_apart_from_eager_ones(tmp_path):
     """lab.study run --graph does not count the eager runs as done (replay is not bit-identical to
     eager), and report shows eager runs unless asked for the graph ones."""
@@ -132,6 +134,7 @@ def test_graph_runs_are_keyed_apart_from_eager_ones(tmp_path):
     assert "3 runs to do" in p.stdout and p.returncode != 0     # on CPU the graph runs are refused
 
 
+@pytest.mark.slow
 def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     """lab.study's attribution labels: "codec@fwd|bwd|SITES" become lab.emulate's arguments, and
     runs of a group with another config are keyed apart from the first study's."""
@@ -156,6 +159,7 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     assert final["hint8@fwd"] != final["hint8@bwd"] != final["none"]
 
 
+@pytest.mark.slow
 def test_forks_continue_the_base_run_exactly(tmp_path):
     """lab.study fork: a "none" fork at TP=1 from step 4 ends where the base run trained straight to
     step 7 ends, bit for bit (same batches, schedule, optimizer state); a codec's fork differs, and
@@ -181,6 +185,7 @@ def test_forks_continue_the_base_run_exactly(tmp_path):
     assert (alone["val"], alone["train"]) == (forks["hint8"]["val"], forks["hint8"]["train"])
 
 
+@pytest.mark.slow
 def test_site_errors_split_the_gradient_error(tmp_path):
     """lab.analysis sites, briefly: compressing only the backward cannot change the loss; the
     forward/backward and the attention/MLP/embedding+head splits each account for roughly the
@@ -210,6 +215,7 @@ def test_emulation_refuses_what_it_cannot_emulate():
             assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
 
 
+@pytest.mark.slow
 def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
     """lab.study tp-real, at TP=2 on CPU with a tiny model: one run per codec, the paired change vs
     the uncompressed run of the same seed."""
@@ -223,6 +229,7 @@ def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
     assert abs(rows[1]["real val"] / rows[0]["real val"] - 1) < 0.05
 
 
+@pytest.mark.slow
 def test_e2e_benchmark_runs_every_entry_in_one_invocation(tmp_path):
     """bench.py e2e: one training per entry, same invocation, a table with the speedup column (on CPU
     the times mean nothing: the GPU results are in results/e2e_*.json); then lab.analysis curves
@@ -242,6 +249,7 @@ def test_e2e_benchmark_runs_every_entry_in_one_invocation(tmp_path):
     assert os.path.getsize(tmp_path / "curves.png") > 10000
 
 
+@pytest.mark.slow
 def test_speed_of_light_skips_the_tp_all_reduces(tmp_path):
     """lab.speed_of_light: with `all` no TP all-reduce puts a byte on the wire (the losses are
     wrong: each rank trains on its partial sums); with `fwd` only the backward ones remain; the

@@ -52,14 +52,17 @@ def test_reference_matches_golden_file(reference):
 # (test_pipeline_without_clipping_is_bit_exact). Data parallelism sums the micro-batch gradients in
 # another order (per rank, then across ranks) and tensor parallelism the partial products:
 # tolerance 1e-5 relative on the loss, after 4 AdamW steps.
-LAYOUTS = [(1, 2, 1, "gpipe", False), (1, 2, 1, "1f1b", False), (1, 4, 1, "1f1b", False),
-           (1, 1, 2, "1f1b", False), (1, 2, 2, "1f1b", False), (2, 2, 1, "1f1b", False),
-           (2, 2, 2, "gpipe", False), (2, 1, 1, "1f1b", True), (2, 2, 1, "1f1b", True)]
 # DP layouts run with dp_overlap=True (the default: bucket all-reduces started from backward hooks);
-# one also without it (all buckets after the backward)
+# one also without it (all buckets after the backward). The default suite runs one layout of each
+# kind (pipeline; data; tensor x pipeline with sequence parallelism), -m slow the rest.
+slow = pytest.mark.slow
+LAYOUTS = [(1, 2, 1, "1f1b", False), (1, 1, 2, "1f1b", False), (2, 2, 1, "1f1b", True)] + [
+    pytest.param(*layout, marks=slow) for layout in [
+        (1, 2, 1, "gpipe", False), (1, 4, 1, "1f1b", False), (1, 2, 2, "1f1b", False), (2, 2, 1, "1f1b", False),
+        (2, 2, 2, "gpipe", False), (2, 1, 1, "1f1b", True), (1, 1, 2, "no-overlap", False)]]
 
 
-@pytest.mark.parametrize("tp, pp, dp, schedule, sp", LAYOUTS + [(1, 1, 2, "no-overlap", False)])
+@pytest.mark.parametrize("tp, pp, dp, schedule, sp", LAYOUTS)
 def test_layout_trains_like_one_rank(tmp_path, reference, tp, pp, dp, schedule, sp):
     out = str(tmp_path)
     extra = ["--dp_overlap=False"] if schedule == "no-overlap" else [f"--schedule={schedule}"]
@@ -84,7 +87,8 @@ def reference_no_clip(tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("pp, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
+@pytest.mark.parametrize("pp, schedule", [(2, "1f1b"), pytest.param(2, "gpipe", marks=slow),
+                                          pytest.param(4, "1f1b", marks=slow)])
 def test_pipeline_without_clipping_is_bit_exact(tmp_path, reference_no_clip, pp, schedule):
     """Without the clipped norm (whose squares the stages sum in another order) a pipeline step is
     one rank's arithmetic: every loss bit for bit."""
@@ -137,7 +141,7 @@ def test_compressed_pipeline_tracks_the_reference(tmp_path, reference):
         assert next(r for r in map(json.loads, f) if "pp_ratio" in r)["pp_ratio"] > 4.5
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("tp, pp", [(1, 1), pytest.param(2, 1, marks=slow), pytest.param(1, 2, marks=slow)])
 def test_zero1_trains_like_one_rank(tmp_path, reference, tp, pp):
     """ZeRO-1 over dp=2 (optimizer state sharded, gradient reduce-scatter + parameter all-gather)
     with TP or PP: the same losses as one rank (tolerance as for the other DP layouts)."""

@@ -126,6 +126,7 @@ def test_nan_loss_stops_the_run(tmp_path):
     assert p.returncode != 0 and "loss is nan" in (p.stderr + p.stdout).lower()
 
 
+@pytest.mark.slow
 def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     """--compile=True with TP=2 and hint8 on every TP all-reduce (the autograd Functions that
     communicate run between compiled regions): the same losses as eager, to float tolerance."""
