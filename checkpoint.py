@@ -4,7 +4,9 @@ Checkpoints, and weights in and out.
 A checkpoint is a SET: out_dir/ckpt/iter_<N>/ holds one file per (tp, pp) rank (per dp rank too
 with ZeRO-1, whose optimizer state is sharded), and COMPLETE, which rank 0 writes only after every
 rank has written its file (a barrier): a set without it (a kill mid-save) is never resumed from,
-and the previous complete set is deleted only once the new one is complete.
+and the previous complete set is deleted only once the new one is complete. COMPLETE records the
+run's identity (a random id drawn when the run starts, kept across resumes) and every file's
+sha256; a resume checks both, so a file changed on disk or taken from another run is named.
 
 A FULL state dict is the single-rank model's (tp = pp = 1) names and shapes: merge() builds it
 from a set's shards, shard_into() slices one into a rank's model (the same slicing the model's
@@ -12,8 +14,11 @@ initialisation uses). Hugging Face GPT-2 weights convert to and from it (hf_to_f
 """
 import atexit
 import glob
+import hashlib
+import io
 import json
 import os
+import secrets
 import shutil
 import socket
 
@@ -31,8 +36,9 @@ def claim(out_dir, resume, overwrite, rank0):
     the same out_dir at the same time is refused (a LOCK whose process is gone is taken over)."""
     found = sets(out_dir, complete=False)
     if found and not resume and not overwrite:
-        raise SystemExit(f"{out_dir} holds another run's checkpoints ({os.path.basename(found[-1])}): --resume "
-                         f"continues it, --overwrite starts over (deleting them), or choose another --out_dir")
+        go_on = "--resume continues it, " if sets(out_dir) else "none complete (cut short), so "
+        raise SystemExit(f"{out_dir} holds another run's checkpoints ({os.path.basename(found[-1])}): {go_on}"
+                         f"--overwrite starts over (deleting them), or choose another --out_dir")
     if not rank0:
         return
     os.makedirs(out_dir, exist_ok=True)
@@ -79,6 +85,48 @@ def shard_name(grid, zero1):
     return f"tp{grid.tp_rank}_pp{grid.pp_rank}" + (f"_dp{grid.dp_rank}" if zero1 else "") + ".pt"
 
 
+def new_run_id(grid):
+    """A run's identity: drawn on rank 0, the same on every rank."""
+    ids = [secrets.token_hex(8)]
+    if grid.world > 1:
+        dist.broadcast_object_list(ids, src=0)
+    return ids[0]
+
+
+def write_file(obj, path):
+    """torch.save to path (through path.tmp: never half a file); returns the bytes' sha256."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def mark_complete(folder, meta):
+    """COMPLETE: the set's iteration, layout, run id and {file: sha256}, written atomically."""
+    with open(os.path.join(folder, "COMPLETE.tmp"), "w") as f:
+        json.dump(meta, f)
+    os.replace(os.path.join(folder, "COMPLETE.tmp"), os.path.join(folder, "COMPLETE"))
+
+
+META_KEYS = ("iter", "tp", "pp", "dp", "zero1", "run_id", "files")
+
+
+def read_complete(folder):
+    """A set's COMPLETE, or an error naming it when it is not what mark_complete writes."""
+    path = os.path.join(folder, "COMPLETE")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        assert isinstance(meta, dict) and all(k in meta for k in META_KEYS) and isinstance(meta["files"], dict)
+    except (OSError, ValueError, AssertionError):
+        raise SystemExit(f"{path} is damaged (not the record a finished save writes: iteration, layout, run id, "
+                         f"checksums): delete {folder} to resume from an older set, or start anew") from None
+    return meta
+
+
 def sets(out_dir, complete=True):
     """The checkpoint sets under out_dir, oldest first (only complete ones by default)."""
     found = sorted(glob.glob(os.path.join(out_dir, "ckpt", "iter_*")))
@@ -90,43 +138,60 @@ def save(r, it):
     the set complete and removes every other set."""
     c, grid = r.cfg, r.grid
     folder = os.path.join(c["out_dir"], "ckpt", f"iter_{it:08d}")
+    mine = None
     if grid.dp_rank == 0 or c["zero1"]:
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, shard_name(grid, c["zero1"]))
-        torch.save({"model": r.model.state_dict(), "optimizer": r.opt.state_dict(), "iter": it, "config": c,
-                    "layout": [grid.tp, grid.pp]}, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    if grid.world > 1:
-        dist.barrier()
+        name = shard_name(grid, c["zero1"])
+        mine = (name, write_file({"model": r.model.state_dict(), "optimizer": r.opt.state_dict(), "iter": it,
+                                  "config": c, "layout": [grid.tp, grid.pp], "run_id": r.run_id},
+                                 os.path.join(folder, name)))
+    every = [mine]
+    if grid.world > 1:                           # also the barrier: every file is written from here on
+        every = [None] * grid.world
+        dist.all_gather_object(every, mine)
     if grid.rank == 0:
-        with open(os.path.join(folder, "COMPLETE.tmp"), "w") as f:
-            json.dump({"iter": it, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero1": c["zero1"]}, f)
-        os.replace(os.path.join(folder, "COMPLETE.tmp"), os.path.join(folder, "COMPLETE"))
+        mark_complete(folder, {"iter": it, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero1": c["zero1"],
+                               "run_id": r.run_id, "files": dict(e for e in every if e)})
         for old in sets(c["out_dir"], complete=False):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def load_file(path, device="cpu"):
-    """One shard file; a damaged one is an error naming it."""
+def load_file(path, meta, device="cpu"):
+    """One shard file of a set whose COMPLETE is `meta`: its bytes must have the recorded sha256
+    and it must be of the set's run; a damaged, changed or foreign file is an error naming it."""
+    name, folder = os.path.basename(path), os.path.dirname(path)
+    if name not in meta["files"] or not os.path.exists(path):
+        raise SystemExit(f"{path} is missing from its set (COMPLETE lists {sorted(meta['files'])}): the set was "
+                         f"written by another layout")
+    with open(path, "rb") as f:
+        data = f.read()
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        ck = torch.load(io.BytesIO(data), map_location=device, weights_only=False)
     except Exception as e:
-        raise SystemExit(f"checkpoint file {path} cannot be read ({type(e).__name__}: {e}); "
-                         f"it is damaged: delete its folder to resume from an older set, or start anew") from None
+        ck = e
+    if hashlib.sha256(data).hexdigest() != meta["files"][name]:
+        why = (f"cannot be read ({type(ck).__name__}: {ck})" if isinstance(ck, Exception) else
+               f"comes from another run ({ck.get('run_id')}, this set's is {meta['run_id']})"
+               if ck.get("run_id") != meta["run_id"] else "was changed after it was saved")
+        raise SystemExit(f"checkpoint file {path} does not match the checksum in COMPLETE: it {why}. Delete "
+                         f"{folder} to resume from an older set, or start anew") from None
+    return ck
 
 
 def resume(r):
-    """Load the newest complete set into r.model / r.opt; every rank must have loaded the same
-    iteration, and the set's model and layout must be this run's. Returns the set's folder."""
+    """Load the newest complete set into r.model / r.opt; every file must match its checksum and
+    be of the set's run, every rank must have loaded the same iteration, and the set's model and
+    layout must be this run's. Sets r.run_id (the run goes on under its identity); returns the folder."""
     c, grid = r.cfg, r.grid
     found = sets(c["out_dir"])
     if not found:
-        raise SystemExit(f"--resume: no complete checkpoint set under {c['out_dir']}/ckpt (start without --resume)")
-    path = os.path.join(found[-1], shard_name(grid, c["zero1"]))
-    if not os.path.exists(path):
-        raise SystemExit(f"--resume: {path} is missing: the set was written by another layout")
-    ck = load_file(path, r.dev)
+        cut = [os.path.basename(s) for s in sets(c["out_dir"], complete=False)]
+        hint = (f"only {', '.join(cut)}, cut short before its save finished: --overwrite starts over" if cut else
+                "start without --resume")
+        raise SystemExit(f"--resume: no complete checkpoint set under {c['out_dir']}/ckpt ({hint})")
+    meta = read_complete(found[-1])
+    ck = load_file(os.path.join(found[-1], shard_name(grid, c["zero1"])), meta, r.dev)
     mine = (ck["iter"], [ck["config"].get(k) for k in SHAPE_KEYS])
     if grid.world > 1:
         every = [None] * grid.world
@@ -139,7 +204,7 @@ def resume(r):
                          f"pass those settings, or another --out_dir for a new run")
     r.model.load_state_dict(ck["model"])
     r.opt.load_state_dict(ck["optimizer"])
-    r.it0 = ck["iter"]
+    r.it0, r.run_id = ck["iter"], meta["run_id"]
     return found[-1]
 
 
@@ -164,14 +229,13 @@ def _unshard(mod, attr, parts):
 
 def merge(folder):
     """(GPTConfig, full state dict, the run's config) of a complete set, on the CPU."""
-    with open(os.path.join(folder, "COMPLETE")) as f:
-        meta = json.load(f)
+    meta = read_complete(folder)
     tp, pp = meta["tp"], meta["pp"]
     shards = {}
     for t in range(tp):
         for p in range(pp):
             name = f"tp{t}_pp{p}" + ("_dp0" if meta["zero1"] else "") + ".pt"
-            ck = load_file(os.path.join(folder, name))
+            ck = load_file(os.path.join(folder, name), meta)
             shards[t, p], cfg = ck["model"], ck["config"]
     mc = model_config(cfg)
     out = {}

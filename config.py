@@ -83,6 +83,8 @@ def read_file(path, defaults):
     """{key: value} of a config file; an unknown name, a wrong type or an error names file and line."""
     if not os.path.exists(path):
         raise ConfigError(f"config file {path} not found (settings are given as --key=value)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} is a directory, not a config file (one of configs/*.py, or --key=value)")
     with open(path) as f:
         src = f.read()
     ns = {}
@@ -185,6 +187,8 @@ def check(cfg, world, local_world=None):
         raise ConfigError("zero_codec compresses ZeRO-1's parameter all-gather: set zero1=True too")
     if cfg["tp_transport"] == "symm" and (cfg["device"] == "cpu" or not torch.cuda.is_available()):
         raise ConfigError("tp_transport='symm' needs GPUs (symmetric memory): use auto or dist")
+    if os.path.exists(cfg["out_dir"]) and not os.path.isdir(cfg["out_dir"]):
+        raise ConfigError(f"out_dir={cfg['out_dir']!r} is a file, not a folder: choose another --out_dir")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
     for split in ("train", "val"):

@@ -31,6 +31,9 @@ Data parallelism is in data_parallel.py.
 import datetime
 import math
 import os
+import signal
+import socket
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -63,6 +66,7 @@ class Grid:
     pp_group: object = None
     dp_group: object = None
     tied_group: object = None     # first and last pipeline stage of this (dp, tp) position (tied wte)
+    procs: list = field(default_factory=list)    # (host, pid) of every rank (stop_stalled)
 
     @property
     def last_stage_rank(self):
@@ -126,7 +130,35 @@ def init_grid(tp=1, pp=1, backend=None, timeout=None):
                 setattr(grid, attr, g)
     (grid.dp_rank,), (grid.pp_rank,), (grid.tp_rank,) = [
         x.tolist() for x in (ranks == rank).nonzero(as_tuple=True)]
+    grid.procs = [None] * world
+    dist.all_gather_object(grid.procs, (socket.gethostname(), os.getpid()))
     return grid
+
+
+def stop_stalled(grid, wait=2.0):
+    """After a collective timed out: the ranks that do not answer, stopped. Every rank still
+    running checks in through the process group's store; a rank still missing after `wait` seconds
+    is stalled, and one on this host is killed now (torchrun would wait 30 s for a stopped process
+    to end itself), so the job ends within timeout + wait. Returns the stalled ranks."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"nanotaco/alive/{grid.rank}", "1")
+        deadline, missing = time.time() + wait, []
+        while time.time() < deadline:
+            missing = [r for r in range(grid.world) if not store.check([f"nanotaco/alive/{r}"])]
+            if not missing:
+                break
+            time.sleep(0.1)
+    except Exception:                      # no store to ask (it went down with its host): name nobody
+        return []
+    for r in missing:
+        host, pid = grid.procs[r]
+        if host == socket.gethostname():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return missing
 
 
 # -----------------------------------------------------------------------------

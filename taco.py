@@ -51,8 +51,10 @@ butterflies cannot overflow) with sqrt(B) folded into the scale; a block's scale
 2^-126 (so 1/s stays finite for tiny blocks); huge scales (s > 2^100) decode in units of 2^64;
 alpha falls back to a scaled sum of squares when the squares overflow; decoded values SATURATE
 at the output type's largest finite value (so a real overflow of the sum also saturates, where
-an uncompressed all-reduce would give Inf). Exception: in the rotated-domain reduce, a block of
-huge values of one sign (|x| > ~1e37 over a whole block) can overflow fp32 and is marked bad (NaN).
+an uncompressed all-reduce would give Inf). Exceptions, marked bad (NaN), never wrong: in the
+rotated-domain reduce, a block of a rank-order partial sum whose L2 norm passes fp32's largest
+value (3.4e38: |x| ~ 1e37 all over a block on three ranks, whatever the signs); a true sum past
+fp32's range in `ds` (its block) and `fp8-tensor` (its message). float64 goes through as fp32.
 The collectives refuse integer tensors (codec 'none' carries them), and on a codec's first use
 on a group the ranks check that they all use the same one.
 
@@ -92,6 +94,7 @@ QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0, "int4": 7.0
 BITS = {"e4m3": 8, "e5m2": 8, "int8": 8, "int6": 6, "int4": 4}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3_NAN = 0x7F
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,8 @@ class Codec:
     # === encode ===
     def encode(self, x, M, L):
         assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
+        if x.dtype == torch.float64:            # codes come from fp32 values: a finite one past fp32's range saturates
+            x = torch.where(x.isinf(), x, x.clamp(-FP32_MAX, FP32_MAX)).float()
         if self.kernel_ok(x):
             return taco_kernels.encode(self, x, M, L)
         return self._encode_ref(x, M, L)
@@ -347,10 +352,14 @@ class Codec:
         """First n (default all) elements of the M messages in buf, as dtype; written into `out`
         (1-D, n elements) if given."""
         n = buf.shape[0] * L if n is None else n
+        odt = dtype if out is None else out.dtype
+        if odt == torch.float64:                                        # decoded in fp32, then widened
+            y = self.decode(buf, L, n, torch.float32).double()
+            return y if out is None else out.copy_(y)
         if self.kernel_ok(buf):
-            return taco_kernels.decode(self, buf, L, n, dtype if out is None else out.dtype, out)
-        big = torch.finfo(dtype if out is None else out.dtype).max        # saturate, NaN stays NaN
-        y = self._decode_ref(buf, L).reshape(-1)[:n].clamp(-big, big).to(dtype)
+            return taco_kernels.decode(self, buf, L, n, odt, out)
+        big = torch.finfo(odt).max                                      # saturate, NaN stays NaN
+        y = self._decode_ref(buf, L).reshape(-1)[:n].clamp(-big, big).to(odt)
         return y if out is None else out.copy_(y)
 
     def _decode_ref(self, buf, L, rotated=False):
@@ -482,6 +491,9 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     The alternatives (one rank, codec none, symmetric memory) are in _alternative."""
     cd = get_codec(codec, block_size)
     _check(x, group, cd, chunks)
+    if any(st == 0 and size > 1 for st, size in zip(x.stride(), x.shape)):
+        raise ValueError("taco.all_reduce sums in place, but elements of x share memory (an expand()ed view): "
+                         "pass x.clone()")
     alternative = _alternative(x, group, cd, transport)
     if alternative is not None:
         return alternative(x, stats, async_op)

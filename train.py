@@ -195,6 +195,8 @@ def setup(cfg, model_hook=None):
                         tp_auto=auto)
     build_optimizer(r)
     r.resumed_from = checkpoint.resume(r) if c["resume"] else None
+    if not c["resume"]:
+        r.run_id = checkpoint.new_run_id(grid)
     return r
 
 
@@ -345,7 +347,8 @@ def open_log(r):
             kept = [line for line in f if json.loads(line).get("iter", 0) <= r.it0]
     f = open(path, "w")
     f.writelines(kept)
-    f.write(json.dumps({"config": r.cfg, "resumed_from": r.resumed_from, "iter0": r.it0, "tp_auto": r.tp_auto}) + "\n")
+    f.write(json.dumps({"config": r.cfg, "run_id": r.run_id, "resumed_from": r.resumed_from, "iter0": r.it0,
+                        "tp_auto": r.tp_auto}) + "\n")
     return f
 
 
@@ -360,8 +363,11 @@ def main(argv=None, model_hook=None):
     except RuntimeError as e:                            # gloo: "Timed out ...", NCCL: DistBackendError
         if "timed out" not in str(e).lower() and not isinstance(e, dist.DistBackendError):
             raise
-        raise SystemExit(f"rank {r.grid.rank}: a collective did not complete within timeout={c['timeout']} s "
-                         f"(another rank stalled or died): {str(e).splitlines()[0]}") from None
+        stalled = parallel.stop_stalled(r.grid)
+        who = (f"rank {', '.join(map(str, stalled))} did not answer and was stopped" if stalled else
+               "another rank died")
+        raise SystemExit(f"rank {r.grid.rank}: a collective did not complete within timeout={c['timeout']} s: "
+                         f"{who} ({str(e).splitlines()[0]})") from None
     if r.grid.world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -373,7 +379,7 @@ def train(r):
         print("config:", json.dumps(c, sort_keys=True))
         print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {r.dev} | {r.dtype}")
         if r.resumed_from:
-            print(f"resumed from {r.resumed_from} (iteration {r.it0})")
+            print(f"resumed from {r.resumed_from} (iteration {r.it0}, run {r.run_id})")
         if r.tp_auto:
             print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
         print(f"model: {r.model.num_params() / 1e6:.2f} M parameters (non-embedding), "

@@ -15,6 +15,8 @@ def check_tokens(path, block_size, vocab_size):
     else in 64 windows of 1M spread over the file). Returns the token count."""
     if not os.path.exists(path):
         raise ValueError(f"{path} is missing")
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a file of tokens (a folder?)")
     size = os.path.getsize(path)
     if size % 2:
         raise ValueError(f"{path} has an odd number of bytes ({size}): not a file of uint16 tokens")

@@ -62,8 +62,17 @@ def fetch(source):
 
 
 def read(path):
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read().strip()
+    """A text file's contents. A binary file (NUL bytes) is refused; bytes that are not UTF-8 are
+    replaced by U+FFFD, with a warning that counts them."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if b"\0" in raw:
+        raise SystemExit(f"{path}: a binary file (it holds NUL bytes), not text: leave it out")
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad:
+        print(f"warning: {path}: {bad} byte sequence(s) are not UTF-8, replaced by U+FFFD", file=sys.stderr)
+    return text.strip()
 
 
 def small_corpus():
@@ -92,6 +101,8 @@ def text_paths(paths):
     """Files, and the .txt files under folders (sorted)."""
     out = []
     for p in paths:
+        if not os.path.exists(p):
+            raise SystemExit(f"{p}: no such file or folder")
         found = sorted(glob.glob(os.path.join(p, "**", "*.txt"), recursive=True)) if os.path.isdir(p) else [p]
         if not found:
             raise SystemExit(f"{p}: no such file, or a folder without .txt files")
@@ -123,7 +134,12 @@ def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc
         import datasets
     except ImportError:
         raise SystemExit("pip install datasets  (needed for --hf)")
-    ds = datasets.load_dataset(name, config, split=split)
+    if os.path.sep in name and not os.path.exists(name):
+        raise SystemExit(f"--hf {name}: no such folder (a local dataset), nor a hub name")
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except OSError as e:                                   # no such files; the hub out of reach
+        raise SystemExit(f"--hf {name}: {e}") from None
     if text_field not in ds.column_names:
         raise SystemExit(f"{name}: no text field {text_field!r}; its columns: {ds.column_names} (--text_field)")
     if val_split:

@@ -140,15 +140,18 @@ def test_single_process_emulation_is_bitwise_the_real_collective():
 
 
 def _mismatched_codecs(rank, world):
-    try:
-        taco.all_reduce(torch.ones(1000), codec=["hint8", "taco"][rank])
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    out = []
+    for codecs, blocks in ((["hint8", "taco"], [256, 256]), (["hint8", "hint8"], [256, 128])):
+        try:
+            taco.all_reduce(torch.ones(1000), codec=codecs[rank], block_size=blocks[rank])
+            out.append("no error")
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
 
 
 def test_ranks_with_different_codecs_are_told_so():
-    """Rank 0 passes hint8, rank 1 taco: both learn it on the codec's first use (instead of each
-    decoding the other's bytes into different wrong values)."""
-    for msg in run_ranks(_mismatched_codecs, 2):
-        assert "the ranks of a group use different codecs" in msg
+    """Rank 0 passes hint8, rank 1 taco; then both hint8, with blocks of 256 and 128: both ranks
+    learn it on the codec's first use (instead of each decoding the other's bytes wrongly)."""
+    for msgs in run_ranks(_mismatched_codecs, 2):
+        assert len(msgs) == 2 and all("the ranks of a group use different codecs or block sizes" in m for m in msgs)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import checkpoint
 import config
@@ -67,11 +68,15 @@ def test_a_tp_group_must_sit_inside_one_node():
 @pytest.mark.parametrize("content, message", [
     (b"", "holds 0 tokens"), (b"\x01\x02\x03", "odd number of bytes"), (b"\x01\x00" * 10, "holds 10 tokens"),
     (b"\xff\xff" * 100, "token id 65535, outside the vocabulary of 50257"),
+    (None, "is not a file of tokens (a folder?)"),
 ])
 def test_bad_data_files_are_refused_naming_the_file(tmp_path, content, message):
     d = tmp_path / "bad"
     d.mkdir()
-    (d / "train.bin").write_bytes(content)
+    if content is None:
+        (d / "train.bin").mkdir()
+    else:
+        (d / "train.bin").write_bytes(content)
     (d / "val.bin").write_bytes(b"\x01\x00" * 100)
     c = config.parse(train.DEFAULTS, [f"--data_dir={tmp_path}", "--dataset=bad", "--block_size=16"])
     with pytest.raises(config.ConfigError) as e:
@@ -133,11 +138,13 @@ def _tp2_greedy(rank, world, folder):
     model = GPT(mc, comm_for(rank, world), seed=5).eval()
     os.makedirs(folder, exist_ok=True)
     cfg = dict(train.DEFAULTS, **MC, tp=2)
-    torch.save({"model": model.state_dict(), "config": cfg, "iter": 1, "layout": [2, 1]},
-               os.path.join(folder, f"tp{rank}_pp0.pt"))
+    sha = checkpoint.write_file({"model": model.state_dict(), "config": cfg, "iter": 1, "layout": [2, 1],
+                                 "run_id": "test"}, os.path.join(folder, f"tp{rank}_pp0.pt"))
+    every = [None] * world
+    dist.all_gather_object(every, (f"tp{rank}_pp0.pt", sha))
     if rank == 0:
-        with open(os.path.join(folder, "COMPLETE"), "w") as f:
-            json.dump({"iter": 1, "tp": 2, "pp": 1, "dp": 1, "zero1": False}, f)
+        checkpoint.mark_complete(folder, {"iter": 1, "tp": 2, "pp": 1, "dp": 1, "zero1": False, "run_id": "test",
+                                          "files": dict(every)})
     idx = torch.tensor([[464, 3290, 318]])
     return generate(model, idx, 12, top_k=1, generator=torch.Generator().manual_seed(0))
 
@@ -169,6 +176,21 @@ def test_prepare_text_files_and_folders(tmp_path):
     import numpy as np
     val = np.fromfile(tmp_path / "mine" / "val.bin", dtype=np.uint16).tolist()
     assert get_encoding().decode(val) == "Document number 3. " * 19 + "Document number 3.<|endoftext|>"
+
+
+def test_prepare_refuses_what_is_not_text_and_warns_on_what_is_not_utf8(tmp_path, capsys):
+    from data import prepare
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'gone.txt'}: no such file or folder"):
+        prepare.main(["mine", "--files", str(tmp_path / "gone.txt"), f"--out_root={tmp_path}"])
+    (tmp_path / "blob.txt").write_bytes(b"ELF\0\1\2" * 50)
+    with pytest.raises(SystemExit, match="blob.txt: a binary file"):
+        prepare.main(["mine", "--files", str(tmp_path / "blob.txt"), f"--out_root={tmp_path}"])
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9 cr\xe8me, na\xefve.\n\n".encode("latin-1") * 20)
+    prepare.main(["mine", "--files", str(tmp_path / "latin1.txt"), f"--out_root={tmp_path}"])
+    assert "latin1.txt: 60 byte sequence(s) are not UTF-8, replaced by U+FFFD" in capsys.readouterr().err
+    pytest.importorskip("datasets")
+    with pytest.raises(SystemExit, match="no such folder"):
+        prepare.main(["loc", "--hf", str(tmp_path / "no_such_folder"), f"--out_root={tmp_path}"])
 
 
 def test_prepare_a_local_hugging_face_dataset(tmp_path):

@@ -511,13 +511,69 @@ def test_finite_input_gives_finite_output_near_the_limits(name, case):
         assert err <= (1.0 if name in ("fp8", "ash", "hint4") else 0.15), (name, case, dtype, float(err))
 
 
+ALTERNATING = torch.tensor([1.0, -1.0]).repeat(256)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, sp in taco.CODECS.items() if sp.rotate))
+def test_the_rotated_reduce_overflows_where_a_partial_sums_block_norm_passes_fp32(name):
+    """The boundary of the rotated-domain reduce, whatever the signs: the rotation is orthonormal,
+    so a block of the rank-order partial sum with L2 norm r puts up to r into one coefficient, and
+    past fp32's largest value (3.4e38) the block is marked bad (NaN on every element, never a
+    wrong finite value). Alternating +-v on W = 3 ranks: r = 3 v sqrt(256) = 48 v."""
+    cd = taco.get_codec(name)
+    for v, finite in ((7e36, True), (1e37, False)):                  # r = 3.36e38 and 4.8e38
+        out = emulated_all_reduce(cd, [ALTERNATING * v] * 3, torch.float32)
+        assert torch.isfinite(out).all() if finite else out.isnan().all(), (v, out[:4])
+        if finite:
+            assert (out - 3 * v * ALTERNATING).abs().max() <= 0.15 * 3 * v
+
+
+@pytest.mark.parametrize("name", sorted(taco.CODECS))
+def test_a_sum_past_fp32_saturates_or_marks_its_scale_group_bad(name):
+    """One element whose true sum (6e38) is past fp32's range: the codecs with a per-block or
+    per-message scale and no rotation mark that block (ds) or message (fp8-tensor) bad, NaN;
+    the others saturate it (at fp32's largest value; the scale-free fp8 at its own, 448). Either
+    way nothing is silently wrong: a saturated value is documented, NaN is seen."""
+    x = torch.randn(512, generator=torch.Generator().manual_seed(0))
+    x[5] = 3e38
+    out = emulated_all_reduce(taco.get_codec(name), [x, x], torch.float32)
+    group = {"ds": slice(0, 256), "fp8-tensor": slice(0, 512)}.get(name)
+    if group is not None:
+        assert out[group].isnan().all() and torch.isfinite(out[group.stop:]).all()
+    else:
+        top = 448.0 if name == "fp8" else torch.finfo(torch.float32).max
+        assert torch.isfinite(out).all() and out[5] == top
+
+
+@pytest.mark.parametrize("name", sorted(taco.CODECS))
+def test_float64_goes_through_at_fp32_precision(name):
+    """float64 is encoded from its fp32 values and decoded back to float64: the same error as the
+    fp32 tensor's; a finite value past fp32's range saturates there, NaN/Inf mark the block."""
+    cd = taco.get_codec(name)
+    x = realistic(1000, seed=1)
+    y = cd.roundtrip(x.double())
+    assert y.dtype == torch.float64 and torch.equal(y, cd.roundtrip(x).double())
+    big = torch.zeros(512, dtype=torch.float64)
+    big[3], big[300] = 1e300, float("inf")
+    out = cd.roundtrip(big)
+    if cd.spec.scale == "tensor":
+        assert out.isnan().all()                                     # one Inf: the whole message
+    elif cd.spec.scale == "none" and not cd.spec.adaptive:
+        assert out[3] == 448.0 and out[300].isnan()                  # fp8: per element, saturating cast
+    else:
+        assert torch.isfinite(out[:256]).all() and out[3] > 1e38 and out[256:].isnan().all()
+
+
 @pytest.mark.parametrize("name", ["hint8", "taco", "fp8"])
-def test_non_float_tensors_are_refused_and_chunks_checked(name):
+def test_non_float_and_overlapping_tensors_are_refused_and_chunks_checked(name):
     import test_allreduce  # noqa: F401  (the launcher's world is not needed: the checks come first)
     with pytest.raises(TypeError, match="int32 tensor cannot go through"):
         taco.all_reduce(torch.arange(10, dtype=torch.int32), codec=name)
     with pytest.raises(ValueError, match="chunks=0 must be a positive integer"):
         taco.all_reduce(torch.ones(10), codec=name, chunks=0)
+    for codec in (name, "none"):                   # in place: an expand()ed view has no place for the sum
+        with pytest.raises(ValueError, match="elements of x share memory"):
+            taco.all_reduce(torch.ones(1, 4).expand(3, 4), codec=codec)
 
 
 def test_kernel_params_refuse_a_message_past_32_bit_block_indices():

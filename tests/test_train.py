@@ -81,6 +81,8 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--tp_codec=fp4"], "tp_codec='fp4' is not a codec"),
     (["--dataset=nowhere"], "python data/prepare.py nowhere"),
     (["configs/missing.py"], "config file configs/missing.py not found"),
+    (["configs"], "configs is a directory, not a config file"),
+    (["--out_dir=README.md"], "out_dir='README.md' is a file, not a folder"),
     (["--zero1=True"], "but dp=1: launch 2 processes (dp=2) or set zero1=False"),
     (["--zero_codec=hint4"], "set zero1=True too"),
     (["--pp_codec=zstd"], "pp_codec='zstd' is not a codec"),
@@ -103,6 +105,9 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--codec_block=100"], "codec_block=100 must be a power of two"),
     (["--tp_codec="], "tp_codec='' is not a codec"),
     (["--dropout=1.5"], "dropout=1.5 must be in [0, 1)"),
+    (["--dropout=1.0"], "dropout=1.0 must be in [0, 1)"),
+    (["--beta1=1.0"], "beta1=1.0 must be in [0, 1)"),
+    (["--beta2=1.0"], "beta2=1.0 must be in [0, 1)"),
     (["--timeout=0"], "timeout=0 must be >= 1"),
 ])
 def test_bad_config_is_refused_before_launch(args, message):
