@@ -9,6 +9,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
 """
 import argparse
+import gzip
 import json
 import os
 import platform
@@ -116,6 +117,37 @@ def host_time(fn, iters=50, reps=5):
 
 
 # -----------------------------------------------------------------------------
+# reading a kernel timeline (train.py --profile_steps; lab.analysis trace-report splits it further)
+
+def kernel_kind(name):
+    """What a CUDA kernel is: the TP transport (NCCL kernels, symmetric-memory barriers, torch's
+    symmetric-memory all-reduce), our codec kernels, copies, or the rest (compute)."""
+    name = name.lower()
+    return ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
+            "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
+            "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
+            "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
+
+
+def trace_kernels(path):
+    """(start us, end us, name) of every GPU kernel, copy and memset in a chrome trace (train.py
+    --profile_steps writes one per rank)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        ev = json.load(f)
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def kernel_ms_by_kind(path, steps):
+    """GPU time per step (ms) of the traced kernels, by kernel_kind. Kernels on different streams
+    overlap (communication runs beside the matmuls), so the kinds can add up to more than the step."""
+    kinds = {}
+    for a, b, name in trace_kernels(path):
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a) / 1000 / steps
+    return kinds
+
+
+# -----------------------------------------------------------------------------
 # the kernels, against the copy ceiling and the unfused reference
 
 def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256), tag="kernels", dtype="bfloat16"):
@@ -158,51 +190,94 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
 # -----------------------------------------------------------------------------
 # the backward's overlap in isolation: codec kernels beside a weight-gradient matmul
 
-def bench_overlap(codec="hint8", tag="overlap", iters=20):
+OVERLAP_SHAPES = {   # name: (tokens, width C, TP size): one rank's MLP fc backward (input gradient T x C)
+    "gpt1b tp2": (16384, 2048, 2), "gpt2s tp2": (16384, 768, 2), "gpt2s tp8": (16384, 768, 8),
+    "gpt7b tp2": (16384, 4096, 2), "gpt7b tp8": (16384, 4096, 8)}
+# how the pair is issued: which goes first, the codec's grid (SMs, 0: all), stream priorities
+OVERLAP_VARIANTS = [("codec first", dict(first="codec")),
+                    ("codec first, its stream high priority", dict(first="codec", codec_prio=-1)),
+                    ("matmul first", dict(first="matmul")),
+                    ("matmul first, its stream high priority", dict(first="matmul", mm_prio=-1)),
+                    ("codec first on 8 SMs", dict(first="codec", sms=8)),
+                    ("codec first on 16 SMs", dict(first="codec", sms=16)),
+                    ("codec first on 32 SMs", dict(first="codec", sms=32)),
+                    ("codec first on 64 SMs", dict(first="codec", sms=64)),
+                    ("matmul first, codec on 16 SMs", dict(first="matmul", sms=16)),
+                    ("matmul in two halves, codec after the first", dict(first="split"))]
+
+
+def bench_overlap(codecs=("hint8", "hint6", "taco"), shapes=tuple(OVERLAP_SHAPES), tag="overlap", iters=20):
     """One GPU. In the backward a TP all-reduce is started, then the weight-gradient matmul runs
-    while it is on the wire. Here, without the wire: the codec kernels of one all-reduce of gpt1b
-    at TP=2 (an input gradient of 16k tokens x 2048, 64 MB: encode two messages, reduce, decode)
-    issued on a side stream, then the MLP's weight-gradient matmul (16k x 4096 by 16k x 2048) on
-    the main stream, next to each alone; the side stream at normal and at high priority. Per
-    variant: each side's time from the common start, how much the matmul slows, and how much of
-    the codec time hides (1 = all of it)."""
+    while it is on the wire. Here, without the wire: the codec kernels of one all-reduce (encode t
+    messages, reduce t, decode all) on a side stream beside the weight-gradient matmul of the MLP's
+    first linear (4C/t x T by T x C), each alone and then together in several ways (OVERLAP_VARIANTS).
+    Per row: the pair's time from the common start, against the matmul alone (the target: <= 1.05x)
+    and against the two one after the other (serial: > 1.00x means overlapping lost time)."""
     taco_kernels.load()
-    cd = taco.get_codec(codec)
-    T, K, N = 16384, 4096, 2048
-    gy, x = (torch.randn(T, d, device="cuda", dtype=torch.bfloat16) for d in (K, N))
-    grad = torch.randn(T * N, device="cuda", dtype=torch.bfloat16)
-    L = T * N // 2
-    msgs, out = cd.encode(grad, 2, L), torch.empty_like(grad)
-    matmul = lambda: gy.t() @ x
-    codec_kernels = lambda: (cd.encode(grad, 2, L), cd.reduce_encode(msgs, L), cd.decode(msgs, L, T * N, out=out))
-    alone = {"matmul": device_time(matmul), "codec": device_time(codec_kernels)}
-    rows = [{"variant": "alone", "matmul us": f"{alone['matmul']:.1f}", "codec us": f"{alone['codec']:.1f}",
-             "both us": f"{alone['matmul'] + alone['codec']:.1f}", "matmul slowdown": "1.00x", "codec hidden": "0%"}]
-    main = torch.cuda.current_stream()
-    for name, priority in (("together, side stream normal priority", 0), ("together, side stream high priority", -1)):
-        side = torch.cuda.Stream(priority=priority)
-        spans = []
-        for i in range(iters + 3):
-            start, mm_end, cd_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            torch.cuda.synchronize()
-            start.record(main)
-            side.wait_event(start)
-            with torch.cuda.stream(side):
-                codec_kernels()
-                cd_end.record(side)
-            matmul()
-            mm_end.record(main)
-            main.wait_stream(side)
-            torch.cuda.synchronize()
-            if i >= 3:                                   # warm-up rounds left out
-                spans.append((start.elapsed_time(mm_end) * 1000, start.elapsed_time(cd_end) * 1000))
-        mm, co = (sorted(v)[len(v) // 2] for v in zip(*spans))
-        both = max(mm, co)
-        rows.append({"variant": name, "matmul us": f"{mm:.1f}", "codec us": f"{co:.1f}", "both us": f"{both:.1f}",
-                     "matmul slowdown": f"{mm / alone['matmul']:.2f}x",
-                     "codec hidden": f"{100 * (alone['matmul'] + alone['codec'] - both) / alone['codec']:.0f}%"})
-    save(tag, rows, codec=codec, note=bench_overlap.__doc__)
-    table(rows, ["variant", "matmul us", "codec us", "both us", "matmul slowdown", "codec hidden"])
+    rows = []
+    for shape in shapes:
+        T, C, t = OVERLAP_SHAPES[shape]
+        gy, x = (torch.randn(T, d, device="cuda", dtype=torch.bfloat16) for d in (4 * C // t, C))
+        gw, h = torch.empty(4 * C // t, C, device="cuda", dtype=torch.bfloat16), 2 * C // t
+        mm = [lambda: torch.mm(gy.t(), x, out=gw)]
+        halves = [lambda: torch.mm(gy[:, :h].t(), x, out=gw[:h]), lambda: torch.mm(gy[:, h:].t(), x, out=gw[h:])]
+        for codec in codecs:
+            cd, n = taco.get_codec(codec), T * C
+            L, grad = cd.padded(taco.cdiv(n, t)), torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            msgs, out = cd.encode(grad, t, L), torch.empty_like(grad)
+
+            def codec_kernels(sms=0):
+                with taco_kernels.limit_sms(sms):
+                    cd.encode(grad, t, L), cd.reduce_encode(msgs, L), cd.decode(msgs, L, n, out=out)
+            alone_mm, alone_cd = device_time(mm[0]), device_time(codec_kernels)
+            serial = alone_mm + alone_cd
+            base = dict(shape=shape, codec=codec, **{"matmul alone us": f"{alone_mm:.1f}",
+                                                     "codec alone us": f"{alone_cd:.1f}"})
+            rows.append(dict(base, variant="one after the other", **{"pair us": f"{serial:.1f}",
+                             "vs matmul": f"{serial / alone_mm:.2f}x", "vs serial": "1.00x"}))
+            for name, v in OVERLAP_VARIANTS:
+                pair = _overlap_pair(mm if v["first"] != "split" else halves, codec_kernels, iters, **v)
+                row = dict(base, variant=name, **{"pair us": f"{pair:.1f}", "vs matmul": f"{pair / alone_mm:.2f}x",
+                                                  "vs serial": f"{pair / serial:.2f}x"})
+                if v.get("sms"):                     # the codec alone on that many CTAs
+                    row["codec alone us"] = f"{device_time(lambda: codec_kernels(v['sms'])):.1f}"
+                rows.append(row)
+    save(tag, rows, note=bench_overlap.__doc__)
+    table(rows, ["shape", "codec", "variant", "matmul alone us", "codec alone us", "pair us", "vs matmul", "vs serial"])
+
+
+def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0, sms=0):
+    """Median microseconds from a common start until both the matmul (one or two calls on the
+    matmul stream) and the codec kernels (a side stream) are done, issued in the given order
+    (`split`: the codec after the first of two matmul halves). Both wait behind a sleep kernel
+    until everything is queued, so the host's launch time does not count."""
+    mm_stream, cd_stream = torch.cuda.Stream(priority=mm_prio), torch.cuda.Stream(priority=codec_prio)
+    spans = []
+    for i in range(iters + 3):
+        start, end, half = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(mm_stream):
+            torch.cuda._sleep(20_000_000)            # holds both streams while the host queues the pair
+            start.record()
+        cd_stream.wait_event(start)
+        with torch.cuda.stream(mm_stream):
+            if first == "matmul":
+                matmuls[0]()
+            elif first == "split":
+                matmuls[0]()
+                half.record(mm_stream)
+                cd_stream.wait_event(half)           # the codec starts once the first half is done
+        with torch.cuda.stream(cd_stream):
+            codec_kernels(sms)
+        with torch.cuda.stream(mm_stream):
+            for m in matmuls[1:] if first == "split" else matmuls if first == "codec" else []:
+                m()
+            mm_stream.wait_stream(cd_stream)
+            end.record()                             # after both
+        torch.cuda.synchronize()
+        if i >= 3:                                   # warm-up rounds left out
+            spans.append(start.elapsed_time(end) * 1000)
+    return sorted(spans)[len(spans) // 2]
 
 
 # -----------------------------------------------------------------------------
@@ -354,7 +429,6 @@ def _e2e_row(entry, out):
     if not logs:
         raise SystemExit(f"{entry}: too few steps to time; raise --max_iters or lower --log_interval")
     ms, last = sum(r["ms"] for r in logs) / len(logs), logs[-1]
-    from lab.analysis import kernel_ms_by_kind                 # the lab reads kernel timelines
     k = kernel_ms_by_kind(os.path.join(out, "trace_rank0.json.gz"), prof["steps"]) if prof else {}
     mfu = last["mfu"] * last["ms"] / ms if last.get("mfu") is not None else None
     return {"codec": entry, "ms/step": round(ms, 2), "tok/s": round(last["tok_s"] * last["ms"] / ms),
@@ -424,7 +498,8 @@ def main(argv):
     k.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     k.add_argument("--codecs", default="hint8,taco,hint6")
     o = sub.add_parser("overlap", help="GPU: one all-reduce's codec kernels beside a weight-gradient matmul")
-    o.add_argument("--codec", default="hint8")
+    o.add_argument("--codecs", default="hint8,hint6,taco")
+    o.add_argument("--shapes", default=",".join(OVERLAP_SHAPES), help="of " + ", ".join(OVERLAP_SHAPES))
     h = sub.add_parser("host", help="GPU: host microseconds of one eager compressed all-reduce call (1-rank group)")
     h.add_argument("--tag", default="host", help="results/<tag>.json")
     c = sub.add_parser("collective", help="GPUs, under torchrun: taco.all_reduce vs NCCL and torch symm-mem")
@@ -441,7 +516,7 @@ def main(argv):
     elif a.what == "overlap":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py overlap needs a CUDA GPU")
-        bench_overlap(a.codec)
+        bench_overlap(tuple(a.codecs.split(",")), tuple(a.shapes.split(",")))
     elif a.what == "host":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py host needs a CUDA GPU")

@@ -86,6 +86,7 @@ import torch.distributed as dist
 
 import taco_kernels
 import taco_symm
+from taco_symm import Pending
 
 DEFAULT_CODEC = "hint8"          # the most accurate 8-bit codec here (docs/RESULTS.md); `taco` is the paper's
 TRANSPORTS = ("auto", "dist", "symm")   # how the compressed bytes travel (taco_symm.workspace)
@@ -601,19 +602,6 @@ def _plan_chunks(n, W, B, chunks):
 
 # torch >= 2.12 renames all_gather_into_tensor to all_gather_single (same arguments)
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class Pending:
-    """What all_reduce(async_op=True) returns: wait() runs the rest of the collective (once)."""
-
-    def __init__(self, rest):
-        self.rest = rest
-
-    def wait(self):
-        if self.rest is not None:
-            self.rest()
-            self.rest = None
-        return True
 
 
 def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):

@@ -107,6 +107,19 @@ def _peer_access_everywhere():
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
 
 
+class Pending:
+    """What the collectives return with async_op=True: wait() runs the rest of the collective (once)."""
+
+    def __init__(self, rest):
+        self.rest = rest
+
+    def wait(self):
+        if self.rest is not None:
+            self.rest()
+            self.rest = None
+        return True
+
+
 class Workspace:
     """A buffer in symmetric memory, one per (group, device), mapped by every rank of the group.
 
@@ -157,7 +170,6 @@ class Workspace:
         """fn() on this workspace's stream, ordered after the caller's stream; the caller's stream
         waits for it now, or at handle.wait() (async_op: other work meanwhile, e.g. the weight-
         gradient matmuls), and then runs then()."""
-        from taco import Pending
         self.stream.wait_stream(torch.cuda.current_stream(self.device))     # the input is ready
         with torch.cuda.stream(self.stream):
             fn()
@@ -182,7 +194,6 @@ class Workspace:
             if then is not None:
                 then()
             return None
-        from taco import Pending
 
         def done():
             taco_kernels.join_stream(self.side)

@@ -8,7 +8,6 @@ Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said 
     python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
 """
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 import parallel
 import taco
-from bench import RESULTS, ROOT, save, table
+from bench import RESULTS, ROOT, kernel_kind, save, table, trace_kernels
 from lab.emulate import emulate_tp, emulated_all_reduce, parse_sites  # (and with it the codec `tahquant`)
 from tests.launcher import run_ranks
 
@@ -185,34 +184,6 @@ def histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png"))
 
 # -----------------------------------------------------------------------------
 # where a step's GPU time goes, and what a cost model predicts from the recorded collectives
-
-def kernel_kind(name):
-    """What a CUDA kernel is: the TP transport (NCCL kernels, symmetric-memory barriers, torch's
-    symmetric-memory all-reduce), our codec kernels, copies, or the rest (compute)."""
-    name = name.lower()
-    return ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
-            "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
-            "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
-            "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
-
-
-def trace_kernels(path):
-    """(start us, end us, name) of every GPU kernel, copy and memset in a chrome trace (train.py
-    --profile_steps writes one per rank)."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        ev = json.load(f)
-    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-
-
-def kernel_ms_by_kind(path, steps):
-    """GPU time per step (ms) of the traced kernels, by kernel_kind. Kernels on different streams
-    overlap (communication runs beside the matmuls), so the kinds can add up to more than the step."""
-    kinds = {}
-    for a, b, name in trace_kernels(path):
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + (b - a) / 1000 / steps
-    return kinds
-
 
 def _merge(iv):
     """Sorted, non-overlapping union of [a, b) intervals."""

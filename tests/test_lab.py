@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+import bench
 from lab import analysis, costmodel
 from test_train import ROOT, TINY
 
@@ -84,15 +85,15 @@ def test_trace_report_splits_hidden_and_exposed_time(tmp_path):
 
 def test_kernel_time_by_kind_from_a_trace(tmp_path):
     """bench.py e2e's compute / comm / codec columns: GPU time per step by kernel kind."""
-    assert analysis.kernel_ms_by_kind(timeline(tmp_path), steps=2) == pytest.approx(
+    assert bench.kernel_ms_by_kind(timeline(tmp_path), steps=2) == pytest.approx(
         {"compute": 10.0, "codec kernels": 7.0, "comm: nccl": 5.0})
     names = ["sm90_xmma_gemm_bf16bf16_bf16f32", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
              "void (anonymous namespace)::reduce_encode_kernel(TacoMsgs, int)",
              "void c10d::symmetric_memory::barrier_kernel(unsigned int**)",
              "void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 2>(...)",
              "Memcpy DtoD (Device -> Device)"]
-    assert [analysis.kernel_kind(n) for n in names] == ["compute", "comm: nccl", "codec kernels", "comm: symm barrier",
-                                                     "comm: symm two-shot", "memcpy/memset"]
+    assert [bench.kernel_kind(n) for n in names] == ["compute", "comm: nccl", "codec kernels", "comm: symm barrier",
+                                                  "comm: symm two-shot", "memcpy/memset"]
 
 
 @pytest.mark.slow
