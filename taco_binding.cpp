@@ -187,7 +187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("e4m3", TACO_E4M3).value("e5m2", TACO_E5M2).value("int8", TACO_INT8).value("int6", TACO_INT6);
 #define FIELD(name) .def_readwrite(#name, &TacoParams::name)        // the same name on both sides
   py::class_<TacoParams>(m, "Params").def(py::init<>()) FIELD(fmt) FIELD(adaptive) FIELD(rotate) FIELD(scale_block)
-      FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S) FIELD(sms);
+      FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S);
 #undef FIELD
   py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
   py::class_<Replays>(m, "Replays").def(py::init<>(), "a plan's all-reduce as CUDA graphs, one per tensor");

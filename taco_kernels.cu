@@ -1091,17 +1091,15 @@ __global__ void barrier_kernel(TacoPads pads, int me, int channel) {
 
 // CTAs of `warps` warps for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when
 // the warps loop over groups, at most per_sm CTAs per SM over the M messages (~2 waves for encode and
-// decode, ~4 for reduce-encode); with cap > 0 (TacoParams::sms) at most cap CTAs in all, so that they
-// occupy at most cap SMs
-unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int cap, int M = 1, int warps = WARPS) {
+// decode, ~4 for reduce-encode)
+unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M = 1, int warps = WARPS) {
   const long long all = (blocks + warps * per_warp - 1) / (warps * per_warp);
   if (!loop) return (unsigned)all;
   static int sms[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   if (dev < 64 && !sms[dev]) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-  const long long most = cap > 0 ? cap : (dev < 64 && sms[dev] ? sms[dev] : 132) * per_sm;
-  return (unsigned)max(1LL, min(all, most / M));
+  return (unsigned)max(1LL, min(all, (dev < 64 && sms[dev] ? sms[dev] : 132) * per_sm / M));
 }
 
 // CTAs of `kernel` an SM holds at once, with `smem` bytes of dynamic shared memory: the grid caps are
@@ -1136,14 +1134,13 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
     static int per_sm[2] = {};                                       // 16-bit, fp32 input
     if (!per_sm[f32] && !capturing(st)) per_sm[f32] = resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, staged);
     const int cap = 2 * (per_sm[f32] ? per_sm[f32] : TACO_ENC_CTAS);  // ~2 waves
-    const dim3 g(grid(blocks, K, PREFETCH, cap, p.sms, M, EW), M);
+    const dim3 g(grid(blocks, K, PREFETCH, cap, M, EW), M);
     encode_kernel<FMT, ROT, SCALE><<<g, 32 * EW, staged, st>>>(x, dt, n, p, (uint8_t*)out);
   } else if (op == Op::Decode) {
-    const bool loop = decode_ahead<FMT>() || p.sms > 0;             // its warps loop in either case
-    decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, loop, 8, p.sms, M), M), 32 * WARPS, 0, st>>>(
+    decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, decode_ahead<FMT>(), 8, M), M), 32 * WARPS, 0, st>>>(
         buf, p, out, dt, n);
   } else {
-    const unsigned g = grid(blocks, KR, true, RED_CTAS_PER_SM, p.sms);
+    const unsigned g = grid(blocks, KR, true, RED_CTAS_PER_SM);
     static int per_sm[TACO_MAX_PEERS + 1] = {};  // staged, by M; 0: not asked yet
     if (reduce_staged(buf, M, blocks, (long long)g * WARPS * KR) && (per_sm[M] || !capturing(st))) {
       // two buffers of M segments per warp: up to 67.6 KB per CTA, past the default 48 KB (a failure to
@@ -1154,7 +1151,7 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
                              WARPS * 2 * TACO_MAX_PEERS * red_segment<FMT>());
         per_sm[M] = resident(reduce_encode_kernel<FMT, SCALE, true>, 32 * WARPS, smem);
       }
-      const unsigned gs = grid(blocks, KR, true, 4 * per_sm[M], p.sms);           // ~4 waves
+      const unsigned gs = grid(blocks, KR, true, 4 * per_sm[M]);                  // ~4 waves
       reduce_encode_kernel<FMT, SCALE, true><<<gs, 32 * WARPS, smem, st>>>(buf, M, p, (uint8_t*)out);
     } else {
       reduce_encode_kernel<FMT, SCALE, false><<<g, 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);

@@ -19,7 +19,6 @@ struct TacoParams {
   float tau, eps, c, qmax;   // c = 1/sqrt(B) rounded to fp32
   long long L;        // elements per message, a multiple of 256
   long long S;        // bytes per message, a multiple of 16
-  int sms;            // > 0: at most this many CTAs, so at most this many SMs busy (0: the full grid)
 };
 
 // Where message m of a batch starts: base + m * S (one contiguous (M, S) buffer), or, when n_ptr > 0,

@@ -7,7 +7,6 @@ symmetric memory.
 A codec reaches the kernels as one named struct, TacoParams (taco_kernels.h; taco_binding.cpp
 exposes it as ext.Params with the same field names): params() below fills it by name.
 """
-import contextlib
 import functools
 import hashlib
 import os
@@ -20,20 +19,6 @@ import torch.distributed as dist
 MAX_PEERS = 8                  # TACO_MAX_PEERS in taco_kernels.h: messages at up to 8 addresses
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXT = None
-_SMS = 0                       # TacoParams.sms of every launch: limit_sms()
-
-
-@contextlib.contextmanager
-def limit_sms(n):
-    """Inside, each codec kernel launches at most n CTAs (0: its full grid), so it keeps at most n
-    SMs busy and leaves the others to a kernel beside it (the backward's weight-gradient matmul);
-    its warps loop over more groups. Same results."""
-    global _SMS
-    before, _SMS = _SMS, n
-    try:
-        yield
-    finally:
-        _SMS = before
 
 
 def supports(cd):
@@ -93,21 +78,17 @@ def _split_compile():
     return ["--split-compile=0"] if (major, minor) >= (12, 1) else []
 
 
+@functools.lru_cache(maxsize=1024)
 def params(cd, L):
     """The kernels' TacoParams for codec cd and messages of L elements (the kernels index blocks
-    with 32-bit integers: at most 2^38 elements per message), under the current limit_sms."""
-    return _params(cd, L, _SMS)
-
-
-@functools.lru_cache(maxsize=1024)
-def _params(cd, L, sms):
+    with 32-bit integers: at most 2^38 elements per message)."""
     if L >= 2 ** 38:
         raise ValueError(f"taco kernels: a message of {L} elements; at most 2^38 (split the tensor)")
     sp, p = cd.spec, load().Params()
     p.fmt = getattr(load().Fmt, sp.fmt)
     p.adaptive, p.rotate, p.scale_block, p.nmeta = sp.adaptive, sp.rotate, sp.scale == "block", cd.nmeta
     p.tau, p.eps, p.c, p.qmax = cd.tau, cd.eps, cd.c, cd.qmax
-    p.L, p.S, p.sms = L, cd.nbytes(L), sms
+    p.L, p.S = L, cd.nbytes(L)
     return p
 
 
