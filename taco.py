@@ -376,14 +376,18 @@ class Codec:
         elif sp.scale == "tensor":
             tpos = pay + nb * self.nmeta * 4
             s = buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
+        # === Eq. 11: Z' = q s ===
         if s is not None:
             # a huge block (s > 2^100) is inverse-rotated in units of 2^64, so H(q s) cannot overflow
             big = (s > 2.0 ** 100) if sp.rotate and not rotated else None
             y = y * (s if big is None else torch.where(big, s * 2.0 ** -64, s))
+        # === Eq. 12: Y' = H(Z') / sqrt(B) (the kernels multiply s by 1/sqrt(B) = 1/16 first where
+        # that is exact, 2^-90 <= s: the same values) ===
         if sp.rotate and not rotated:
             y = fwht(lane_order(y, inverse=True), reverse=True) * self.c
             if big is not None:
                 y = torch.where(big, y * 2.0 ** 64, y)
+        # === Eq. 13: G' = Y' / alpha ===
         if sp.adaptive:
             alpha = meta[..., :1]
             y = y * fdiv(torch.ones_like(alpha), alpha)

@@ -15,8 +15,7 @@
 // 128, 64, 32 in C, 16, 8 in B, 4, 2, 1 in A. The layouts change through a per-block shared-memory
 // buffer, padded so that no access has a bank conflict. A rotated block's codes are stored in layout
 // C's order (taco.lane_order: lane u's 8 codes side by side), so encode ends and decode starts there
-// with no third trip through shared memory. (Warp shuffles for strides 8..128 would cost 40 per lane
-// and block; docs/KERNELS.md has the comparison.)
+// with no third trip through shared memory.
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
 // fp32 products and sums without FMA contraction (built with -fmad=false), the sum of squares
@@ -36,34 +35,9 @@
 
 #include "taco_kernels.h"
 
-// build-time knobs, to compare variants (TACO_NVCC_FLAGS="-DTACO_K=2"; docs/KERNELS.md)
+// the two build-time knobs, to compare variants (TACO_NVCC_FLAGS="-DTACO_K=2"; docs/KERNELS.md)
 #ifndef TACO_K
 #define TACO_K 4          // blocks per warp and group
-#endif
-#ifndef TACO_KR
-#define TACO_KR 2         // blocks per warp in reduce-encode
-#endif
-// register caps as CTAs per SM (__launch_bounds__'s second argument): encode 7 CTAs of 4 warps (at most
-// 72 registers); decode and reduce-encode uncapped unless set (an explicit 1 is not the same: ptxas then
-// takes more)
-#ifndef TACO_ENC_WARPS
-#define TACO_ENC_WARPS 4  // warps per CTA in encode (shared memory per warp: the butterflies', the staged input)
-#endif
-#ifndef TACO_ENC_CTAS
-#define TACO_ENC_CTAS 7
-#endif
-#ifdef TACO_DEC_CTAS
-#define DEC_BOUNDS __launch_bounds__(32 * WARPS, TACO_DEC_CTAS)
-#else
-#define DEC_BOUNDS __launch_bounds__(32 * WARPS)
-#endif
-#ifdef TACO_RED_CTAS
-#define RED_BOUNDS __launch_bounds__(32 * WARPS, TACO_RED_CTAS)
-#else
-#define RED_BOUNDS __launch_bounds__(32 * WARPS)
-#endif
-#ifndef TACO_RED_STAGE
-#define TACO_RED_STAGE 1  // 1: reduce-encode stages the next group's messages in shared memory (cp.async)
 #endif
 #ifndef TACO_PREFETCH
 #define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
@@ -74,9 +48,10 @@ namespace {
 constexpr int B = 256;                 // block size the kernels are built for
 constexpr int E = 8;                   // elements per lane
 constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
-constexpr int EW = TACO_ENC_WARPS;     // warps per CTA in encode
+constexpr int EW = 4;                  // warps per CTA in encode
+constexpr int ENC_CTAS = 7;            // encode's CTAs per SM, so at most 72 registers (__launch_bounds__)
 constexpr int K = TACO_K;              // blocks per warp in encode / decode
-constexpr int KR = TACO_KR;            // blocks per warp in reduce-encode (it holds two sets of values)
+constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
 constexpr bool PREFETCH = TACO_PREFETCH;
 constexpr long long RED_CTAS_PER_SM = 16;  // reduce-encode's grid cap; past it its warps loop over groups
 constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
@@ -244,9 +219,7 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
   }
 }
 
-// c ? a : b, word by word as selects, and a 16-byte store that stays one: written plainly, a variant of
-// decode got two predicated stores (each covering half the lanes) or four 4-byte ones instead
-// (docs/KERNELS.md, "decode in block pairs"); here the plain forms compile alike, these are what was measured
+// c ? a : b, word by word as selects, and a 16-byte store that stays one (spelled out: docs/KERNELS.md)
 __device__ __forceinline__ unsigned pick(bool c, unsigned a, unsigned b) {
   unsigned d;
   asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
@@ -532,7 +505,7 @@ struct Raw {
 // addresses from two pointers and 32-bit offsets. INT6: a lane's 6 bytes as the two aligned words that
 // hold them (WORDS; decode's choice) or as three halfwords (fewer registers; the reduce step's). SPLIT:
 // a whole group (nk == N) takes a path of its own with constant offsets (decode's choice; the reduce
-// step is faster without). The faster for each, measured (docs/KERNELS.md).
+// step is faster without; docs/KERNELS.md).
 template <int FMT, int N, bool WORDS, bool ALL>
 __device__ __forceinline__ void load_blocks(Raw (&r)[N], const uint8_t* blk, const float* meta, int nk, int lane,
                                             const TacoParams& p) {
@@ -600,123 +573,101 @@ __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
   }
 }
 
-// --- encode N blocks (layout A in registers) into a message (sm: unused without ROT) --------------
+// --- encode: Eq. 6-10 on N blocks ---------------------------------------------------------------
 
-// msg: the message's bytes; blocks first .. first + N - 1 of nbs, of which the first nk are real
-template <int FMT, bool ROT, bool SCALE, int N>
-__device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane, const TacoParams& p,
-                                              uint8_t* msg, int first, int nbs, float (*sm)[SMW]) {
-  // A block is bad (codes 0, metadata NaN) when it holds NaN/Inf or its arithmetic overflows: the
-  // reference's predicate, tested where it shows anyway (a non-finite input makes the sum of squares
-  // non-finite, and every rotated value; the absmax sees it in any case).
-  bool bad[N];
-  float alpha[N], alpha_mine = 1.f;             // alpha_mine, s_mine: lane k's copy of block k's
-#pragma unroll
-  for (int k = 0; k < N; k++) { bad[k] = false; alpha[k] = 1.f; }
+// Each step below is one equation of taco.py's reference (Codec._encode_ref), on N blocks at once.
+// A block is bad (codes 0, metadata NaN) when it holds NaN/Inf or its arithmetic overflows: the
+// reference's predicate, tested where it shows anyway (a non-finite input makes the sum of squares
+// non-finite, and every rotated value; the absmax sees it in any case).
 
-  // === Eq. 6-7: alpha = tau / sqrt(mean(G^2) + eps) ===
-  if (p.adaptive) {
-    float ss[N];
+// === Eq. 6-7: alpha = tau / sqrt(mean(G^2) + eps), then G * alpha (and the rotation's 1/B) ===
+// returns lane k's copy of block k's alpha; alpha[k] is block k's in every lane
+template <bool ROT, int N>
+__device__ __forceinline__ float adaptive_scale(float (&v)[N][E], bool (&bad)[N], float (&alpha)[N], int lane,
+                                                const TacoParams& p) {
+  float ss[N];
 #pragma unroll
-    for (int k = 0; k < N; k++) {
-      ss[k] = v[k][0] * v[k][0];
+  for (int k = 0; k < N; k++) {
+    ss[k] = v[k][0] * v[k][0];
 #pragma unroll
-      for (int j = 1; j < E; j++) ss[k] = ss[k] + v[k][j] * v[k][j];
-    }
-    const float tot = block_sums<N>(ss, lane);
-    const float ss_mine = __shfl_sync(FULL, tot, lane * (32 / N));
-    // |x| ~> 1e19 overflows the squares: sigma of x * 2^-80, times 2^80 (a warp-uniform branch); a
-    // block with NaN/Inf stays non-finite there too, and is bad
-    float sg = -1.f;
-    if (__any_sync(FULL, !isfinite(tot))) {
-      float s2[N];
-#pragma unroll
-      for (int k = 0; k < N; k++) {
-        s2[k] = (v[k][0] * 0x1p-80f) * (v[k][0] * 0x1p-80f);
-#pragma unroll
-        for (int j = 1; j < E; j++) s2[k] = s2[k] + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
-      }
-      const float t2 = block_sums<N>(s2, lane);
-      const unsigned nonfinite = __ballot_sync(FULL, !isfinite(t2));
-#pragma unroll
-      for (int k = 0; k < N; k++) bad[k] = (nonfinite >> (k * (32 / N))) & 1u;
-      const float s2_mine = __shfl_sync(FULL, t2, lane * (32 / N));
-      sg = isfinite(ss_mine) ? -1.f : sqrtf(s2_mine * (1.0f / B)) * 0x1p80f;
-    }
-    alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(ss_mine * (1.0f / B) + p.eps));
-    lane_spread<N>(alpha_mine, alpha);
-#pragma unroll
-    for (int k = 0; k < N; k++) {
-      const float mul = ROT ? alpha[k] * (1.0f / B) : alpha[k];        // the rotation's 1/B folded in
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul;
-    }
+    for (int j = 1; j < E; j++) ss[k] = ss[k] + v[k][j] * v[k][j];
   }
+  const float tot = block_sums<N>(ss, lane);
+  const float ss_mine = __shfl_sync(FULL, tot, lane * (32 / N));
+  // |x| ~> 1e19 overflows the squares: sigma of x * 2^-80, times 2^80 (a warp-uniform branch); a
+  // block with NaN/Inf stays non-finite there too, and is bad
+  float sg = -1.f;
+  if (__any_sync(FULL, !isfinite(tot))) {
+    float s2[N];
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+      s2[k] = (v[k][0] * 0x1p-80f) * (v[k][0] * 0x1p-80f);
+#pragma unroll
+      for (int j = 1; j < E; j++) s2[k] = s2[k] + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
+    }
+    const float t2 = block_sums<N>(s2, lane);
+    const unsigned nonfinite = __ballot_sync(FULL, !isfinite(t2));
+#pragma unroll
+    for (int k = 0; k < N; k++) bad[k] = (nonfinite >> (k * (32 / N))) & 1u;
+    const float s2_mine = __shfl_sync(FULL, t2, lane * (32 / N));
+    sg = isfinite(ss_mine) ? -1.f : sqrtf(s2_mine * (1.0f / B)) * 0x1p80f;
+  }
+  const float alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(ss_mine * (1.0f / B) + p.eps));
+  lane_spread<N>(alpha_mine, alpha);
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    const float mul = ROT ? alpha[k] * (1.0f / B) : alpha[k];        // the rotation's 1/B folded in
+#pragma unroll
+    for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul;
+  }
+  return alpha_mine;
+}
 
-  // === Eq. 8: Z = H(alpha G) / sqrt(B), computed as H(alpha G / B) (butterflies that cannot
-  // overflow); the factor sqrt(B) is applied below, folded into the scale ===
+// === Eq. 9: s = max|Z| / Qmax, and the multiplier of Eq. 10's Z / s, as Z * (1 / s) ===
+// returns lane k's copy of block k's s; mul[k] is block k's multiplier (v holds Z / CB when rotated)
+template <int FMT, bool ROT, int N>
+__device__ __forceinline__ float block_scale(float (&v)[N][E], bool (&bad)[N], float (&mul)[N], int lane,
+                                             const TacoParams& p) {
+  float m[N], s_mine;
+#pragma unroll
+  for (int k = 0; k < N; k++) {
+    const unsigned mb = absmax_bits(v[k]);
+    bad[k] |= mb >= 0x7f800000u;
+    m[k] = __uint_as_float(mb);
+  }
+  const float mm = lane_pick<N>(m, lane);
   if (ROT) {
-    if (!p.adaptive) {
-#pragma unroll
-      for (int k = 0; k < N; k++)
-#pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
-    }
-    fwht_a_to_c<N>(v, sm, lane);
-  }
-
-  // === Eq. 9: s = max|Z| / Qmax;  Eq. 10: codes of Z / s, as Z * (1 / s) ===
-  constexpr bool INT = FMT == TACO_INT8 || FMT == TACO_INT6;
-  static_assert(SCALE || !INT, "integer codes need a block scale");
-  float s_mine = 1.f, mul[N];
-  if (SCALE) {
-    float m[N];
+    // s = (m / Qmax) * CB: the reference's rounding, and never overflows. Then v * (inv * CB) ==
+    // (v * CB) * inv for every v whose product v * CB is exact, and the others (|v * CB| < 2^-126)
+    // give code 0 both ways, as |v| / m < 2^-46. Below m = 2^-88 (where inv * CB could overflow):
+    // the reference's own order (v * CB first).
+    s_mine = mm / p.qmax * CB;
+    s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
+    const float inv = 1.f / (s_mine > 0.f ? s_mine : 1.f);
+    lane_spread<N>(mm >= 0x1p-88f ? inv * CB : inv, mul);
 #pragma unroll
     for (int k = 0; k < N; k++) {
-      const unsigned mb = absmax_bits(v[k]);
-      bad[k] |= mb >= 0x7f800000u;
-      m[k] = __uint_as_float(mb);
-    }
-    const float mm = lane_pick<N>(m, lane);
-    if (ROT) {
-      // v holds Z / CB. s = (m / Qmax) * CB: the reference's rounding, and never overflows. Then
-      // v * (inv * CB) == (v * CB) * inv for every v whose product v * CB is exact, and the others
-      // (|v * CB| < 2^-126) give code 0 both ways, as |v| / m < 2^-46. Below m = 2^-88 (where
-      // inv * CB could overflow): the reference's own order (v * CB first).
-      s_mine = mm / p.qmax * CB;
-      s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
-      const float inv = 1.f / (s_mine > 0.f ? s_mine : 1.f);
-      lane_spread<N>(mm >= 0x1p-88f ? inv * CB : inv, mul);
+      if (!(m[k] >= 0x1p-88f)) {
 #pragma unroll
-      for (int k = 0; k < N; k++) {
-        if (!(m[k] >= 0x1p-88f)) {
-#pragma unroll
-          for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
-        }
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
       }
-    } else {
-      s_mine = mm / p.qmax;
-      s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
-      lane_spread<N>(1.f / (s_mine > 0.f ? s_mine : 1.f), mul);
     }
-    if (!INT) {                                      // integers: the product is taken in the rounding
-#pragma unroll
-      for (int k = 0; k < N; k++)
-#pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
-    }
-  } else if (ROT) {
-#pragma unroll
-    for (int k = 0; k < N; k++)
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
+  } else {
+    s_mine = mm / p.qmax;
+    s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
+    lane_spread<N>(1.f / (s_mine > 0.f ? s_mine : 1.f), mul);
   }
+  return s_mine;
+}
 
-  // codes (a bad block's are zeroed below, as whole words). Integers: the exact product Z * (1 / s)
-  // rounded half to even, in one FMA (+ 1.5 * 2^23: the integer in the low mantissa bits; |Z / s| <=
-  // Qmax, so two's complement in the low byte)
-  const bool raw = !p.adaptive && !SCALE;            // plain cast: a NaN code per non-finite element
-  unsigned lo[N], hi[N];                             // a lane's 8 codes side by side, low byte first
+// === Eq. 10: the codes of v * mul (a lane's 8 side by side, low byte first). Integers: the exact
+// product rounded half to even, in one FMA (+ 1.5 * 2^23: the integer in the low mantissa bits;
+// |Z / s| <= Qmax, so two's complement in the low byte); fp8: v already multiplied. raw (a plain
+// cast, no scale at all): a NaN code per non-finite element ===
+template <int FMT, int N>
+__device__ __forceinline__ void codes(const float (&v)[N][E], const float (&mul)[N], bool raw, unsigned (&lo)[N],
+                                      unsigned (&hi)[N]) {
+  constexpr bool INT = FMT == TACO_INT8 || FMT == TACO_INT6;
 #pragma unroll
   for (int k = 0; k < N; k++) {
     if (INT) {
@@ -736,15 +687,19 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
       }
     }
   }
+}
 
-  // element order (layout A) or, rotated, the wire's lane order (C)
+// === pack: the codes (element order, or rotated the wire's lane order) and, by lane k, block k's
+// metadata (alpha, s); the last block's writer zeroes the message's padding ===
+template <int FMT, bool SCALE, int N>
+__device__ __forceinline__ void pack(const unsigned (&lo)[N], const unsigned (&hi)[N], const bool (&bad)[N],
+                                     float alpha_mine, float s_mine, int nk, int lane, const TacoParams& p,
+                                     uint8_t* msg, int first, int nbs) {
   const int pb = payload_bytes<FMT>();
-  uint8_t* codes = msg + (long long)first * pb;
+  uint8_t* blocks = msg + (long long)first * pb;
 #pragma unroll
   for (int k = 0; k < N; k++)
-    if (k < nk) write_codes<FMT>(codes + k * pb, lane, bad[k] ? 0u : lo[k], bad[k] ? 0u : hi[k]);
-
-  // metadata: lane k writes block k's (alpha, s); the last block's writer zeroes the padding
+    if (k < nk) write_codes<FMT>(blocks + k * pb, lane, bad[k] ? 0u : lo[k], bad[k] ? 0u : hi[k]);
   if (lane < nk) {
     const int lb = first + lane;
     bool bad_mine = bad[0];
@@ -761,6 +716,47 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
   }
 }
 
+// Encode N blocks (layout A in registers) into a message: msg, its bytes; blocks first .. first + N - 1
+// of nbs, of which the first nk are real (sm: unused without ROT)
+template <int FMT, bool ROT, bool SCALE, int N>
+__device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane, const TacoParams& p,
+                                              uint8_t* msg, int first, int nbs, float (*sm)[SMW]) {
+  static_assert(SCALE || !(FMT == TACO_INT8 || FMT == TACO_INT6), "integer codes need a block scale");
+  bool bad[N];
+  float alpha[N], alpha_mine = 1.f, s_mine = 1.f, mul[N];
+#pragma unroll
+  for (int k = 0; k < N; k++) { bad[k] = false; alpha[k] = 1.f; }
+  if (p.adaptive) alpha_mine = adaptive_scale<ROT, N>(v, bad, alpha, lane, p);            // Eq. 6-7
+  // === Eq. 8: Z = H(alpha G) / sqrt(B), as H(alpha G / B) (butterflies that cannot overflow); the
+  // factor sqrt(B) = CB is applied with the scale ===
+  if (ROT) {
+    if (!p.adaptive) {
+#pragma unroll
+      for (int k = 0; k < N; k++)
+#pragma unroll
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
+    }
+    fwht_a_to_c<N>(v, sm, lane);
+  }
+  if (SCALE) {
+    s_mine = block_scale<FMT, ROT, N>(v, bad, mul, lane, p);                              // Eq. 9
+    if (!(FMT == TACO_INT8 || FMT == TACO_INT6)) {   // integers: the product is taken in the rounding
+#pragma unroll
+      for (int k = 0; k < N; k++)
+#pragma unroll
+        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
+    }
+  } else if (ROT) {
+#pragma unroll
+    for (int k = 0; k < N; k++)
+#pragma unroll
+      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
+  }
+  unsigned lo[N], hi[N];
+  codes<FMT, N>(v, mul, !p.adaptive && !SCALE, lo, hi);                                  // Eq. 10
+  pack<FMT, SCALE, N>(lo, hi, bad, alpha_mine, s_mine, nk, lane, p, msg, first, nbs);
+}
+
 // --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) (sm: unused without ROT)
 
 // r: the blocks' codes (rotated: in layout C); v: out, layout A. sat: saturate the results at fp32's
@@ -769,6 +765,7 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
 template <int FMT, bool ROT, bool SCALE, int N>
 __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E], int lane, const TacoParams& p,
                                               float (*sm)[SMW], bool sat) {
+  // === Eq. 11: Z' = q s (rotated, with 2^-90 <= s: s / sqrt(B), Eq. 12's factor taken first) ===
   bool fast[N], big[N];
 #pragma unroll
   for (int k = 0; k < N; k++) {
@@ -786,6 +783,7 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
       for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
     }
   }
+  // === Eq. 12: Y' = H(Z') / sqrt(B) (the 1 / sqrt(B) here where it was not taken above) ===
   if (ROT) {
     fwht_c_to_a<N>(v, sm, lane);
 #pragma unroll
@@ -797,6 +795,7 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
       }
     }
   }
+  // === Eq. 13: G' = Y' * (1 / alpha) ===
   if (p.adaptive) {
     float a[N], ia[N];
 #pragma unroll
@@ -835,7 +834,7 @@ __host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TA
 // 4 warps per CTA and at most 72 registers, so that 7 CTAs (28 warps) fit on an SM: the next group's
 // input waits in shared memory (dynamic: 8 or 16 KB per CTA), not in registers
 template <int FMT, bool ROT, bool SCALE>
-__global__ void __launch_bounds__(32 * EW, TACO_ENC_CTAS) encode_kernel(const void* x, int dt, long long n,
+__global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x, int dt, long long n,
                                                                      TacoParams p, uint8_t* out) {
   __shared__ __align__(16) float smem[EW][K][SMW];
   extern __shared__ __align__(16) uint4 staged_input[];
@@ -872,8 +871,6 @@ __global__ void __launch_bounds__(32 * EW, TACO_ENC_CTAS) encode_kernel(const vo
           for (int j = 0; j < E; j++) v[k][j] = 0.f;
       }
     }
-    // (this form, not next = first + step; more = next < nbs, is what the register counts were measured
-    // with: the plainer one gave ptxas other choices)
     const bool more = first < nbs - step;
     const int next = first + (more ? step : 0);
     staged = PREFETCH && more && next + K <= whole;
@@ -889,7 +886,7 @@ __global__ void __launch_bounds__(32 * EW, TACO_ENC_CTAS) encode_kernel(const vo
 }
 
 template <int FMT, bool ROT, bool SCALE>
-__global__ void DEC_BOUNDS decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt, long long n) {
+__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt, long long n) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * K;
@@ -986,7 +983,7 @@ __device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E
 // faster) and the messages lie in one 16-byte aligned buffer (the peers' buffers of taco_symm.py are read
 // directly): the host's choice of kernel, and of shared memory.
 bool reduce_staged(const TacoMsgs& buf, int P, long long nbs, long long step) {
-  return TACO_RED_STAGE && nbs > step && !buf.n_ptr && !(reinterpret_cast<uintptr_t>(buf.base) & 15) &&
+  return nbs > step && !buf.n_ptr && !(reinterpret_cast<uintptr_t>(buf.base) & 15) &&
          P <= TACO_MAX_PEERS;
 }
 
@@ -996,7 +993,7 @@ bool reduce_staged(const TacoMsgs& buf, int P, long long nbs, long long step) {
 // RED_CTAS_PER_SM CTAs per SM the grid is capped and each warp takes groups of KR blocks in turn, so
 // that its setup is paid once for them.
 template <int FMT, bool SCALE, bool STAGED>
-__global__ void RED_BOUNDS reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
+__global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
   extern __shared__ __align__(16) uint8_t red_staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * KR;
@@ -1133,7 +1130,7 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
     const int staged = EW * K * 32 * (f32 ? 32 : 16);               // bytes of dynamic shared memory
     static int per_sm[2] = {};                                       // 16-bit, fp32 input
     if (!per_sm[f32] && !capturing(st)) per_sm[f32] = resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, staged);
-    const int cap = 2 * (per_sm[f32] ? per_sm[f32] : TACO_ENC_CTAS);  // ~2 waves
+    const int cap = 2 * (per_sm[f32] ? per_sm[f32] : ENC_CTAS);       // ~2 waves
     const dim3 g(grid(blocks, K, PREFETCH, cap, M, EW), M);
     encode_kernel<FMT, ROT, SCALE><<<g, 32 * EW, staged, st>>>(x, dt, n, p, (uint8_t*)out);
   } else if (op == Op::Decode) {
