@@ -15,7 +15,6 @@ initialisation uses). Hugging Face GPT-2 weights convert to and from it (hf_to_f
 import atexit
 import glob
 import hashlib
-import io
 import json
 import os
 import secrets
@@ -93,15 +92,20 @@ def new_run_id(grid):
     return ids[0]
 
 
+def sha256_of(path):
+    """The file's sha256, read in 16 MiB pieces (a shard can be many GB)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 24), b""):
+            h.update(piece)
+    return h.hexdigest()
+
+
 def write_file(obj, path):
-    """torch.save to path (through path.tmp: never half a file); returns the bytes' sha256."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
+    """torch.save to path (through path.tmp: never half a file); returns its sha256."""
+    torch.save(obj, path + ".tmp")
     os.replace(path + ".tmp", path)
-    return hashlib.sha256(data).hexdigest()
+    return sha256_of(path)
 
 
 def mark_complete(folder, meta):
@@ -120,10 +124,14 @@ def read_complete(folder):
     try:
         with open(path) as f:
             meta = json.load(f)
-        assert isinstance(meta, dict) and all(k in meta for k in META_KEYS) and isinstance(meta["files"], dict)
-    except (OSError, ValueError, AssertionError):
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and "iter" in meta and "files" not in meta:
+        raise SystemExit(f"{path} records no run id and checksums: the set was written before checkpoints "
+                         f"carried them, and cannot be verified; start anew (--overwrite)")
+    if not (isinstance(meta, dict) and all(k in meta for k in META_KEYS) and isinstance(meta["files"], dict)):
         raise SystemExit(f"{path} is damaged (not the record a finished save writes: iteration, layout, run id, "
-                         f"checksums): delete {folder} to resume from an older set, or start anew") from None
+                         f"checksums): delete {folder} to resume from an older set, or start anew")
     return meta
 
 
@@ -164,19 +172,17 @@ def load_file(path, meta, device="cpu"):
     if name not in meta["files"] or not os.path.exists(path):
         raise SystemExit(f"{path} is missing from its set (COMPLETE lists {sorted(meta['files'])}): the set was "
                          f"written by another layout")
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        ck = torch.load(io.BytesIO(data), map_location=device, weights_only=False)
-    except Exception as e:
-        ck = e
-    if hashlib.sha256(data).hexdigest() != meta["files"][name]:
-        why = (f"cannot be read ({type(ck).__name__}: {ck})" if isinstance(ck, Exception) else
-               f"comes from another run ({ck.get('run_id')}, this set's is {meta['run_id']})"
-               if ck.get("run_id") != meta["run_id"] else "was changed after it was saved")
+    if sha256_of(path) != meta["files"][name]:
+        try:                                                       # only to say what it is
+            ck = torch.load(path, map_location="cpu", weights_only=False)
+            run = ck.get("run_id") if isinstance(ck, dict) else None
+            why = (f"comes from another run ({run}, this set's is {meta['run_id']})" if run != meta["run_id"]
+                   else "was changed after it was saved")
+        except Exception as e:
+            why = f"cannot be read ({type(e).__name__}: {e})"
         raise SystemExit(f"checkpoint file {path} does not match the checksum in COMPLETE: it {why}. Delete "
                          f"{folder} to resume from an older set, or start anew") from None
-    return ck
+    return torch.load(path, map_location=device, weights_only=False)
 
 
 def resume(r):

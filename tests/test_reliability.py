@@ -129,8 +129,12 @@ def test_resume_checks_the_run_and_every_checksum(tmp_path):
         checkpoint.resume(_run(mine))
     f.write_bytes(good)
     assert checkpoint.resume(_run(mine)).endswith("iter_00000004")
+    complete = (folder / "COMPLETE").read_text()
     (folder / "COMPLETE").write_text("garbage")
     with pytest.raises(SystemExit, match=f"{folder / 'COMPLETE'} is damaged"):
+        checkpoint.resume(_run(mine))
+    (folder / "COMPLETE").write_text(complete.replace('"files"', '"filez"'))
+    with pytest.raises(SystemExit, match="records no run id and checksums"):
         checkpoint.resume(_run(mine))
     os.remove(folder / "COMPLETE")
     with pytest.raises(SystemExit, match="only iter_00000004, cut short before its save finished: --overwrite starts"):
