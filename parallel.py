@@ -139,7 +139,8 @@ def stop_stalled(grid, wait=2.0):
     """After a collective timed out: the ranks that do not answer, stopped. Every rank still
     running checks in through the process group's store; a rank still missing after `wait` seconds
     is stalled, and one on this host is killed now (torchrun would wait 30 s for a stopped process
-    to end itself), so the job ends within timeout + wait. Returns the stalled ranks."""
+    to end itself), so the job ends within timeout + wait. Returns the stalled ranks and which of
+    them were stopped."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"nanotaco/alive/{grid.rank}", "1")
@@ -150,15 +151,14 @@ def stop_stalled(grid, wait=2.0):
                 break
             time.sleep(0.1)
     except Exception:                      # no store to ask (it went down with its host): name nobody
-        return []
-    for r in missing:
-        host, pid = grid.procs[r]
-        if host == socket.gethostname():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return missing
+        return [], []
+    stopped = [r for r in missing if grid.procs[r][0] == socket.gethostname()]
+    for r in stopped:
+        try:
+            os.kill(grid.procs[r][1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return missing, stopped
 
 
 # -----------------------------------------------------------------------------

@@ -363,9 +363,10 @@ def main(argv=None, model_hook=None):
     except RuntimeError as e:                            # gloo: "Timed out ...", NCCL: DistBackendError
         if "timed out" not in str(e).lower() and not isinstance(e, dist.DistBackendError):
             raise
-        stalled = parallel.stop_stalled(r.grid)
-        who = (f"rank {', '.join(map(str, stalled))} did not answer and was stopped" if stalled else
-               "another rank died")
+        stalled, stopped = parallel.stop_stalled(r.grid)
+        names = lambda ranks: ", ".join(map(str, ranks)) or "none"
+        who = "another rank died" if not stalled else f"rank {names(stalled)} did not answer" + (
+            " and was stopped" if stopped == stalled else f" (stopped on this host: {names(stopped)})")
         raise SystemExit(f"rank {r.grid.rank}: a collective did not complete within timeout={c['timeout']} s: "
                          f"{who} ({str(e).splitlines()[0]})") from None
     if r.grid.world > 1:
