@@ -45,6 +45,8 @@
 
 namespace {
 
+#define UNROLL _Pragma("unroll")   // unroll the loop that follows on the same line
+
 constexpr int B = 256;                 // block size the kernels are built for
 constexpr int E = 8;                   // elements per lane
 constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
@@ -69,8 +71,7 @@ __device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i
   const unsigned short* p = static_cast<const unsigned short*>(x) + i0;
   if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
   unsigned w[4];
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
+  UNROLL for (int k = 0; k < 4; k++) {
     const unsigned lo = i0 + 2 * k < n ? p[2 * k] : 0u, hi = i0 + 2 * k + 1 < n ? p[2 * k + 1] : 0u;
     w[k] = lo | (hi << 16);
   }
@@ -79,8 +80,7 @@ __device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i
 
 __device__ __forceinline__ void unpack16(uint4 u, int dt, float v[E]) {
   const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
+  UNROLL for (int k = 0; k < 4; k++) {
     if (dt == TACO_BF16) {
       v[2 * k] = __uint_as_float(w[k] << 16);
       v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
@@ -95,11 +95,9 @@ __device__ __forceinline__ void unpack16(uint4 u, int dt, float v[E]) {
 template <int N>
 __device__ __forceinline__ void unpack_group(const uint4 (&u)[N], int dt, float (&v)[N][E]) {
   if (dt == TACO_BF16) {
-#pragma unroll
-    for (int k = 0; k < N; k++) unpack16(u[k], TACO_BF16, v[k]);
+    UNROLL for (int k = 0; k < N; k++) unpack16(u[k], TACO_BF16, v[k]);
   } else {
-#pragma unroll
-    for (int k = 0; k < N; k++) unpack16(u[k], TACO_F16, v[k]);
+    UNROLL for (int k = 0; k < N; k++) unpack16(u[k], TACO_F16, v[k]);
   }
 }
 
@@ -110,8 +108,7 @@ __device__ __forceinline__ void load8(const void* x, int dt, long long n, long l
     float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
   } else {
-#pragma unroll
-    for (int j = 0; j < E; j++) v[j] = i0 + j < n ? p[j] : 0.f;
+    UNROLL for (int j = 0; j < E; j++) v[j] = i0 + j < n ? p[j] : 0.f;
   }
 }
 
@@ -127,10 +124,8 @@ __device__ __forceinline__ int f32_slot(int c) { return c ^ ((c >> 3) & 1); }
 template <bool F32>
 __device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after, const void* x, long long g0) {
   const unsigned dst = (unsigned)__cvta_generic_to_shared(st) + after;
-#pragma unroll
-  for (int k = 0; k < K; k++) {
-#pragma unroll
-    for (int r = 0; r < (F32 ? 2 : 1); r++) {
+  UNROLL for (int k = 0; k < K; k++) {
+    UNROLL for (int r = 0; r < (F32 ? 2 : 1); r++) {
       const int c = lane + 32 * r;
       const long long e = g0 + k * B + (F32 ? 4 : 8) * c;                 // the chunk's first element
       const char* src = static_cast<const char*>(x) + (F32 ? 4 : 2) * e;
@@ -146,18 +141,15 @@ __device__ __forceinline__ unsigned unstage_group(const uint4* st, int lane, int
   __syncwarp();                                  // fp32: the chunks other lanes copied
   unsigned after = 0u;
   if (dt == TACO_F32) {
-#pragma unroll
-    for (int k = 0; k < K; k++) {
+    UNROLL for (int k = 0; k < K; k++) {
       const uint4 a = st[k * 64 + f32_slot(2 * lane)], b = st[k * 64 + f32_slot(2 * lane + 1)];
       const unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = __uint_as_float(w[j]);
+      UNROLL for (int j = 0; j < E; j++) v[k][j] = __uint_as_float(w[j]);
       after |= a.x | b.x;
     }
   } else {
     uint4 u[K];
-#pragma unroll
-    for (int k = 0; k < K; k++) {
+    UNROLL for (int k = 0; k < K; k++) {
       u[k] = st[k * 32 + lane];
       after |= u[k].x;
     }
@@ -200,20 +192,17 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
       reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
       reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
     } else {
-#pragma unroll
-      for (int j = 0; j < E; j++)
+      UNROLL for (int j = 0; j < E; j++)
         if (i0 + j < n) p[j] = v[j];
     }
   } else {
     unsigned w[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) w[k] = pack2(v[2 * k], v[2 * k + 1], dt);
+    UNROLL for (int k = 0; k < 4; k++) w[k] = pack2(v[2 * k], v[2 * k + 1], dt);
     unsigned short* p = static_cast<unsigned short*>(out) + i0;
     if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
       *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     } else {
-#pragma unroll
-      for (int j = 0; j < E; j++)
+      UNROLL for (int j = 0; j < E; j++)
         if (i0 + j < n) p[j] = (unsigned short)(w[j / 2] >> (16 * (j & 1)));
     }
   }
@@ -243,16 +232,14 @@ template <int N>
 __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long long n, long long i0, int nk,
                                             int lane, const float (&v)[N][E]) {
   if (!whole) {
-#pragma unroll
-    for (int k = 0; k < N; k++)
+    UNROLL for (int k = 0; k < N; k++)
       if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
   } else if (dt == TACO_F32) {
     // A lane's 8 values fill one 32-byte sector, but a store moves 16 bytes per lane: lanes 2i and 2i + 1
     // swap halves first, so that each store writes whole sectors (the even lane's, then the odd's).
     const bool odd = lane & 1;
     float* p = static_cast<float*>(out) + i0 - 4 * odd;
-#pragma unroll
-    for (int k = 0; k < N; k++) {
+    UNROLL for (int k = 0; k < N; k++) {
       const uint4 lo = make_uint4(__float_as_uint(v[k][0]), __float_as_uint(v[k][1]), __float_as_uint(v[k][2]),
                                   __float_as_uint(v[k][3]));
       const uint4 hi = make_uint4(__float_as_uint(v[k][4]), __float_as_uint(v[k][5]), __float_as_uint(v[k][6]),
@@ -265,8 +252,7 @@ __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long 
     }
   } else {
     uint4* p = reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + i0);
-#pragma unroll
-    for (int k = 0; k < N; k++)
+    UNROLL for (int k = 0; k < N; k++)
       p[k * (B / 8)] = make_uint4(pack2(v[k][0], v[k][1], dt), pack2(v[k][2], v[k][3], dt),
                                   pack2(v[k][4], v[k][5], dt), pack2(v[k][6], v[k][7], dt));
   }
@@ -277,8 +263,7 @@ __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long 
 // the butterflies whose partners differ in register bit H: (a, b) -> (a + b, a - b)
 template <int H>
 __device__ __forceinline__ void butterflies(float v[E]) {
-#pragma unroll
-  for (int j = 0; j < E; j++) {
+  UNROLL for (int j = 0; j < E; j++) {
     if (!(j & H)) {
       float a = v[j], b = v[j + H];
       v[j] = a + b;
@@ -307,8 +292,7 @@ __device__ __forceinline__ void get_a(float v[E], const float* sm, int lane) {
 // padded word idx + 4 (idx >> 5): one bank per lane for every j
 __device__ __forceinline__ void get_b(float v[E], const float* sm, int lane) {
   const float* p = sm + (lane >> 3) * 72 + (lane & 7);
-#pragma unroll
-  for (int j = 0; j < E; j++) v[j] = p[8 * j + 4 * (j >> 2)];
+  UNROLL for (int j = 0; j < E; j++) v[j] = p[8 * j + 4 * (j >> 2)];
 }
 
 // layout B -> shared memory, lane-major with the registers in the order 0 4 1 5 2 6 3 7, so that
@@ -323,8 +307,7 @@ __device__ __forceinline__ void put_b(const float v[E], float* sm, int lane) {
 // slot 2 (u >> 3) + (m & 1): one 8-byte load per pair of registers
 __device__ __forceinline__ void get_c(float v[E], const float* sm, int lane) {
   const float* p = sm + 8 * (lane & 7) + 4 * ((lane & 7) >> 2) + 2 * (lane >> 3);
-#pragma unroll
-  for (int k = 0; k < 4; k++) {
+  UNROLL for (int k = 0; k < 4; k++) {
     float2 f = *reinterpret_cast<const float2*>(p + 72 * k);
     v[2 * k] = f.x;
     v[2 * k + 1] = f.y;
@@ -335,8 +318,7 @@ __device__ __forceinline__ void get_c(float v[E], const float* sm, int lane) {
 // each "unput" loads the words its "put" stored (the same bank pattern, so no conflicts either)
 __device__ __forceinline__ void unget_c(const float v[E], float* sm, int lane) {
   float* p = sm + 8 * (lane & 7) + 4 * ((lane & 7) >> 2) + 2 * (lane >> 3);
-#pragma unroll
-  for (int k = 0; k < 4; k++) *reinterpret_cast<float2*>(p + 72 * k) = make_float2(v[2 * k], v[2 * k + 1]);
+  UNROLL for (int k = 0; k < 4; k++) *reinterpret_cast<float2*>(p + 72 * k) = make_float2(v[2 * k], v[2 * k + 1]);
 }
 
 __device__ __forceinline__ void unput_b(float v[E], const float* sm, int lane) {
@@ -347,30 +329,25 @@ __device__ __forceinline__ void unput_b(float v[E], const float* sm, int lane) {
 
 __device__ __forceinline__ void unget_b(const float v[E], float* sm, int lane) {
   float* p = sm + (lane >> 3) * 72 + (lane & 7);
-#pragma unroll
-  for (int j = 0; j < E; j++) p[8 * j + 4 * (j >> 2)] = v[j];
+  UNROLL for (int j = 0; j < E; j++) p[8 * j + 4 * (j >> 2)] = v[j];
 }
 
 // H (unnormalised) of the N blocks in v, layout A in, layout C out. sm: N buffers of SMW words.
 template <int N>
 __device__ __forceinline__ void fwht_a_to_c(float (&v)[N][E], float (*sm)[SMW], int lane) {
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     butterflies<1>(v[k]); butterflies<2>(v[k]); butterflies<4>(v[k]);   // strides 1, 2, 4
     put_a(v[k], sm[k], lane);
   }
   __syncwarp();
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     get_b(v[k], sm[k], lane);
     butterflies<1>(v[k]); butterflies<2>(v[k]); butterflies<4>(v[k]);   // strides 8, 16, 32
   }
   __syncwarp();                                                         // all reads of A done
-#pragma unroll
-  for (int k = 0; k < N; k++) put_b(v[k], sm[k], lane);
+  UNROLL for (int k = 0; k < N; k++) put_b(v[k], sm[k], lane);
   __syncwarp();
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     get_c(v[k], sm[k], lane);
     butterflies<2>(v[k]); butterflies<4>(v[k]);                         // strides 64, 128
   }
@@ -379,23 +356,19 @@ __device__ __forceinline__ void fwht_a_to_c(float (&v)[N][E], float (*sm)[SMW], 
 // H of the N blocks in v in the decode order, layout C in, layout A out
 template <int N>
 __device__ __forceinline__ void fwht_c_to_a(float (&v)[N][E], float (*sm)[SMW], int lane) {
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     butterflies<4>(v[k]); butterflies<2>(v[k]); butterflies<1>(v[k]);   // strides 128, 64, 32
     unget_c(v[k], sm[k], lane);
   }
   __syncwarp();
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     unput_b(v[k], sm[k], lane);
     butterflies<2>(v[k]); butterflies<1>(v[k]);                         // strides 16, 8
   }
   __syncwarp();                                                         // all reads of C's words done
-#pragma unroll
-  for (int k = 0; k < N; k++) unget_b(v[k], sm[k], lane);
+  UNROLL for (int k = 0; k < N; k++) unget_b(v[k], sm[k], lane);
   __syncwarp();
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     get_a(v[k], sm[k], lane);
     butterflies<4>(v[k]); butterflies<2>(v[k]); butterflies<1>(v[k]);   // strides 4, 2, 1
   }
@@ -426,14 +399,11 @@ template <int N>
 __device__ __forceinline__ float block_sums(const float (&x)[N], int lane) {
   static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N: a power of two");
   float t[N];
-#pragma unroll
-  for (int k = 0; k < N; k++) t[k] = x[k];
-#pragma unroll
-  for (int m = 16, c = N; m >= 1; m >>= 1, c = c > 1 ? c / 2 : 1) {
+  UNROLL for (int k = 0; k < N; k++) t[k] = x[k];
+  UNROLL for (int m = 16, c = N; m >= 1; m >>= 1, c = c > 1 ? c / 2 : 1) {
     if (c > 1) {
       const bool up = lane & m;
-#pragma unroll
-      for (int i = 0; i < c / 2; i++) {
+      UNROLL for (int i = 0; i < c / 2; i++) {
         const float keep = up ? t[i + c / 2] : t[i], send = up ? t[i] : t[i + c / 2];
         t[i] = keep + __shfl_xor_sync(FULL, send, m);
       }
@@ -450,15 +420,13 @@ __device__ __forceinline__ float block_sums(const float (&x)[N], int lane) {
 template <int N>
 __device__ __forceinline__ float lane_pick(const float (&x)[N], int lane) {   // lane k < N: x[k]
   float r = x[0];
-#pragma unroll
-  for (int k = 1; k < N; k++) r = lane == k ? x[k] : r;
+  UNROLL for (int k = 1; k < N; k++) r = lane == k ? x[k] : r;
   return r;
 }
 
 template <int N>
 __device__ __forceinline__ void lane_spread(float mine, float (&x)[N]) {      // x[k] = lane k's value
-#pragma unroll
-  for (int k = 0; k < N; k++) x[k] = __shfl_sync(FULL, mine, k);
+  UNROLL for (int k = 0; k < N; k++) x[k] = __shfl_sync(FULL, mine, k);
 }
 
 // --- codes ----------------------------------------------------------------------------------------
@@ -468,8 +436,7 @@ __device__ __forceinline__ void lane_spread(float mine, float (&x)[N]) {      //
 template <int FMT>
 __device__ __forceinline__ void quant_fp8(const float y[E], unsigned& lo, unsigned& hi) {
   unsigned h[4];
-#pragma unroll
-  for (int i = 0; i < 4; i++)
+  UNROLL for (int i = 0; i < 4; i++)
     h[i] = __nv_cvt_float2_to_fp8x2(make_float2(y[2 * i], y[2 * i + 1]), __NV_SATFINITE,
                                     FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2);
   lo = __byte_perm(h[0], h[1], 0x5410);
@@ -510,8 +477,7 @@ template <int FMT, int N, bool WORDS, bool ALL>
 __device__ __forceinline__ void load_blocks(Raw (&r)[N], const uint8_t* blk, const float* meta, int nk, int lane,
                                             const TacoParams& p) {
   const int pb = payload_bytes<FMT>();
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     const int kk = ALL || k < nk ? k : 0;
     if (FMT == TACO_INT6 && WORDS) {   // the two words holding the lane's 6 bytes (from byte 0 or 2 of them)
       const unsigned* src = reinterpret_cast<const unsigned*>(blk + kk * pb - 2 * (lane & 1));
@@ -549,22 +515,19 @@ template <int FMT>
 __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
   if (FMT == TACO_INT8) {
     const unsigned lo = r.lo ^ 0x80808080u, hi = r.hi ^ 0x80808080u;      // k -> k + 128
-#pragma unroll
-    for (int j = 0; j < 4; j++) {                   // byte j of the codes under the constant's top bytes
+    UNROLL for (int j = 0; j < 4; j++) {                   // byte j of the codes under the constant's top bytes
       v[j] = __uint_as_float(__byte_perm(0x4B400000u, lo, 0x3214 + j)) - (MAGIC + 128.f);
       v[j + 4] = __uint_as_float(__byte_perm(0x4B400000u, hi, 0x3214 + j)) - (MAGIC + 128.f);
     }
   } else if (FMT == TACO_INT6) {
-#pragma unroll
-    for (int j = 0; j < 4; j++) {                                        // k -> k + 32
+    UNROLL for (int j = 0; j < 4; j++) {                                        // k -> k + 32
       v[j] = __uint_as_float(((r.lo >> (6 * j)) & 63u) ^ 0x4B400020u) - (MAGIC + 32.f);
       v[j + 4] = __uint_as_float(((r.hi >> (6 * j)) & 63u) ^ 0x4B400020u) - (MAGIC + 32.f);
     }
   } else {
     const __nv_fp8_interpretation_t f = FMT == TACO_E4M3 ? __NV_E4M3 : __NV_E5M2;
     const unsigned w[2] = {r.lo, r.hi};
-#pragma unroll
-    for (int j = 0; j < E; j += 2) {                                      // fp8 -> fp16 -> fp32: exact
+    UNROLL for (int j = 0; j < E; j += 2) {                                      // fp8 -> fp16 -> fp32: exact
       __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w[j / 4] >> (8 * (j & 3))), f);
       float2 x = __half22float2(*reinterpret_cast<__half2*>(&h));
       v[j] = x.x;
@@ -586,11 +549,9 @@ template <bool ROT, int N>
 __device__ __forceinline__ float adaptive_scale(float (&v)[N][E], bool (&bad)[N], float (&alpha)[N], int lane,
                                                 const TacoParams& p) {
   float ss[N];
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     ss[k] = v[k][0] * v[k][0];
-#pragma unroll
-    for (int j = 1; j < E; j++) ss[k] = ss[k] + v[k][j] * v[k][j];
+    UNROLL for (int j = 1; j < E; j++) ss[k] = ss[k] + v[k][j] * v[k][j];
   }
   const float tot = block_sums<N>(ss, lane);
   const float ss_mine = __shfl_sync(FULL, tot, lane * (32 / N));
@@ -599,26 +560,21 @@ __device__ __forceinline__ float adaptive_scale(float (&v)[N][E], bool (&bad)[N]
   float sg = -1.f;
   if (__any_sync(FULL, !isfinite(tot))) {
     float s2[N];
-#pragma unroll
-    for (int k = 0; k < N; k++) {
+    UNROLL for (int k = 0; k < N; k++) {
       s2[k] = (v[k][0] * 0x1p-80f) * (v[k][0] * 0x1p-80f);
-#pragma unroll
-      for (int j = 1; j < E; j++) s2[k] = s2[k] + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
+      UNROLL for (int j = 1; j < E; j++) s2[k] = s2[k] + (v[k][j] * 0x1p-80f) * (v[k][j] * 0x1p-80f);
     }
     const float t2 = block_sums<N>(s2, lane);
     const unsigned nonfinite = __ballot_sync(FULL, !isfinite(t2));
-#pragma unroll
-    for (int k = 0; k < N; k++) bad[k] = (nonfinite >> (k * (32 / N))) & 1u;
+    UNROLL for (int k = 0; k < N; k++) bad[k] = (nonfinite >> (k * (32 / N))) & 1u;
     const float s2_mine = __shfl_sync(FULL, t2, lane * (32 / N));
     sg = isfinite(ss_mine) ? -1.f : sqrtf(s2_mine * (1.0f / B)) * 0x1p80f;
   }
   const float alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(ss_mine * (1.0f / B) + p.eps));
   lane_spread<N>(alpha_mine, alpha);
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     const float mul = ROT ? alpha[k] * (1.0f / B) : alpha[k];        // the rotation's 1/B folded in
-#pragma unroll
-    for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul;
+    UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul;
   }
   return alpha_mine;
 }
@@ -629,8 +585,7 @@ template <int FMT, bool ROT, int N>
 __device__ __forceinline__ float block_scale(float (&v)[N][E], bool (&bad)[N], float (&mul)[N], int lane,
                                              const TacoParams& p) {
   float m[N], s_mine;
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     const unsigned mb = absmax_bits(v[k]);
     bad[k] |= mb >= 0x7f800000u;
     m[k] = __uint_as_float(mb);
@@ -645,11 +600,9 @@ __device__ __forceinline__ float block_scale(float (&v)[N][E], bool (&bad)[N], f
     s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
     const float inv = 1.f / (s_mine > 0.f ? s_mine : 1.f);
     lane_spread<N>(mm >= 0x1p-88f ? inv * CB : inv, mul);
-#pragma unroll
-    for (int k = 0; k < N; k++) {
+    UNROLL for (int k = 0; k < N; k++) {
       if (!(m[k] >= 0x1p-88f)) {
-#pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
+        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
       }
     }
   } else {
@@ -668,20 +621,17 @@ template <int FMT, int N>
 __device__ __forceinline__ void codes(const float (&v)[N][E], const float (&mul)[N], bool raw, unsigned (&lo)[N],
                                       unsigned (&hi)[N]) {
   constexpr bool INT = FMT == TACO_INT8 || FMT == TACO_INT6;
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     if (INT) {
       unsigned q[E];
-#pragma unroll
-      for (int j = 0; j < E; j++) q[j] = __float_as_uint(__fmaf_rn(v[k][j], mul[k], MAGIC));
+      UNROLL for (int j = 0; j < E; j++) q[j] = __float_as_uint(__fmaf_rn(v[k][j], mul[k], MAGIC));
       lo[k] = __byte_perm(__byte_perm(q[0], q[1], 0x0040), __byte_perm(q[2], q[3], 0x0040), 0x5410);
       hi[k] = __byte_perm(__byte_perm(q[4], q[5], 0x0040), __byte_perm(q[6], q[7], 0x0040), 0x5410);
     } else {
       quant_fp8<FMT>(v[k], lo[k], hi[k]);
     }
     if (raw) {
-#pragma unroll
-      for (int j = 0; j < E; j++) {
+      UNROLL for (int j = 0; j < E; j++) {
         unsigned& w = j < 4 ? lo[k] : hi[k];
         if (!isfinite(v[k][j])) w = (w & ~(0xffu << 8 * (j & 3))) | (0x7fu << 8 * (j & 3));
       }
@@ -697,14 +647,12 @@ __device__ __forceinline__ void pack(const unsigned (&lo)[N], const unsigned (&h
                                      uint8_t* msg, int first, int nbs) {
   const int pb = payload_bytes<FMT>();
   uint8_t* blocks = msg + (long long)first * pb;
-#pragma unroll
-  for (int k = 0; k < N; k++)
+  UNROLL for (int k = 0; k < N; k++)
     if (k < nk) write_codes<FMT>(blocks + k * pb, lane, bad[k] ? 0u : lo[k], bad[k] ? 0u : hi[k]);
   if (lane < nk) {
     const int lb = first + lane;
     bool bad_mine = bad[0];
-#pragma unroll
-    for (int k = 1; k < N; k++) bad_mine = lane == k ? bad[k] : bad_mine;
+    UNROLL for (int k = 1; k < N; k++) bad_mine = lane == k ? bad[k] : bad_mine;
     const float nan = __uint_as_float(CANONICAL_NAN);
     float* meta = reinterpret_cast<float*>(msg + (long long)nbs * pb) + (long long)lb * p.nmeta;
     int i = 0;
@@ -724,33 +672,26 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
   static_assert(SCALE || !(FMT == TACO_INT8 || FMT == TACO_INT6), "integer codes need a block scale");
   bool bad[N];
   float alpha[N], alpha_mine = 1.f, s_mine = 1.f, mul[N];
-#pragma unroll
-  for (int k = 0; k < N; k++) { bad[k] = false; alpha[k] = 1.f; }
+  UNROLL for (int k = 0; k < N; k++) { bad[k] = false; alpha[k] = 1.f; }
   if (p.adaptive) alpha_mine = adaptive_scale<ROT, N>(v, bad, alpha, lane, p);            // Eq. 6-7
   // === Eq. 8: Z = H(alpha G) / sqrt(B), as H(alpha G / B) (butterflies that cannot overflow); the
   // factor sqrt(B) = CB is applied with the scale ===
   if (ROT) {
     if (!p.adaptive) {
-#pragma unroll
-      for (int k = 0; k < N; k++)
-#pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
+      UNROLL for (int k = 0; k < N; k++)
+        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
     }
     fwht_a_to_c<N>(v, sm, lane);
   }
   if (SCALE) {
     s_mine = block_scale<FMT, ROT, N>(v, bad, mul, lane, p);                              // Eq. 9
     if (!(FMT == TACO_INT8 || FMT == TACO_INT6)) {   // integers: the product is taken in the rounding
-#pragma unroll
-      for (int k = 0; k < N; k++)
-#pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
+      UNROLL for (int k = 0; k < N; k++)
+        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul[k];
     }
   } else if (ROT) {
-#pragma unroll
-    for (int k = 0; k < N; k++)
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
+    UNROLL for (int k = 0; k < N; k++)
+      UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
   }
   unsigned lo[N], hi[N];
   codes<FMT, N>(v, mul, !p.adaptive && !SCALE, lo, hi);                                  // Eq. 10
@@ -767,8 +708,7 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
                                               float (*sm)[SMW], bool sat) {
   // === Eq. 11: Z' = q s (rotated, with 2^-90 <= s: s / sqrt(B), Eq. 12's factor taken first) ===
   bool fast[N], big[N];
-#pragma unroll
-  for (int k = 0; k < N; k++) {
+  UNROLL for (int k = 0; k < N; k++) {
     dequant8<FMT>(r[k], v[k]);
     // With 2^-90 <= s <= 2^100 every q s is a multiple of 2^-113 and H(q s) < 2^117: scaling by
     // 1/16 before the transform is exact and gives exactly H(q s) / 16. A huge block (s > 2^100) is
@@ -779,38 +719,30 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
     if (SCALE) {
       const float s = big[k] ? r[k].s * 0x1p-64f : r[k].s;
       const float pre = fast[k] ? s * C : s;
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
+      UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
     }
   }
   // === Eq. 12: Y' = H(Z') / sqrt(B) (the 1 / sqrt(B) here where it was not taken above) ===
   if (ROT) {
     fwht_c_to_a<N>(v, sm, lane);
-#pragma unroll
-    for (int k = 0; k < N; k++) {
+    UNROLL for (int k = 0; k < N; k++) {
       if (!fast[k] || big[k]) {
         const float post = big[k] ? 0x1p64f : C;
-#pragma unroll
-        for (int j = 0; j < E; j++) v[k][j] = v[k][j] * post;
+        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * post;
       }
     }
   }
   // === Eq. 13: G' = Y' * (1 / alpha) ===
   if (p.adaptive) {
     float a[N], ia[N];
-#pragma unroll
-    for (int k = 0; k < N; k++) a[k] = r[k].alpha;
+    UNROLL for (int k = 0; k < N; k++) a[k] = r[k].alpha;
     lane_spread<N>(1.f / lane_pick<N>(a, lane), ia);
-#pragma unroll
-    for (int k = 0; k < N; k++)
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = v[k][j] * ia[k];
+    UNROLL for (int k = 0; k < N; k++)
+      UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * ia[k];
   }
   if (sat) {
-#pragma unroll
-    for (int k = 0; k < N; k++)
-#pragma unroll
-      for (int j = 0; j < E; j++) v[k][j] = saturate(v[k][j]);
+    UNROLL for (int k = 0; k < N; k++)
+      UNROLL for (int j = 0; j < E; j++) v[k][j] = saturate(v[k][j]);
   }
 }
 
@@ -819,8 +751,7 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
 __device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i, long long S) {
   if (!m.n_ptr) return m.base + i * S;
   const uint8_t* q = m.ptr[0];
-#pragma unroll
-  for (int k = 1; k < TACO_MAX_PEERS; k++) q = i == k ? m.ptr[k] : q;
+  UNROLL for (int k = 1; k < TACO_MAX_PEERS; k++) q = i == k ? m.ptr[k] : q;
   return q;
 }
 
@@ -859,16 +790,13 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
       const uint4* q = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + base +
                                                       (long long)first * B + lane * E);
       uint4 u[K];
-#pragma unroll
-      for (int k = 0; k < K; k++) u[k] = __ldg(q + k * (B / 8));
+      UNROLL for (int k = 0; k < K; k++) u[k] = __ldg(q + k * (B / 8));
       unpack_group<K>(u, dt, v);
     } else {
-#pragma unroll
-      for (int k = 0; k < K; k++) {
+      UNROLL for (int k = 0; k < K; k++) {
         if (k < nk) load8(x, dt, n, base + (long long)(first + k) * B + lane * E, v[k]);
         else
-#pragma unroll
-          for (int j = 0; j < E; j++) v[k][j] = 0.f;
+          UNROLL for (int j = 0; j < E; j++) v[k][j] = 0.f;
       }
     }
     const bool more = first < nbs - step;
@@ -911,8 +839,7 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
     store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * B + lane * E, nk, lane, v);
     if (!more) break;
     if (decode_ahead<FMT>()) {
-#pragma unroll
-      for (int k = 0; k < K; k++) r[k] = rn[k];
+      UNROLL for (int k = 0; k < K; k++) r[k] = rn[k];
     } else {
       load_group<FMT>(r, m, next, nk_next, nbs, lane, p);
     }
@@ -951,8 +878,7 @@ template <int FMT>
 __device__ __forceinline__ void unstage_msg(Raw (&r)[KR], const uint8_t* seg, int lane, const TacoParams& p) {
   constexpr int pb = payload_bytes<FMT>();
   const float* meta = reinterpret_cast<const float*>(seg + KR * pb);
-#pragma unroll
-  for (int k = 0; k < KR; k++) {
+  UNROLL for (int k = 0; k < KR; k++) {
     if (FMT == TACO_INT6) {
       const unsigned* w = reinterpret_cast<const unsigned*>(seg + k * pb + 6 * lane - 2 * (lane & 1));
       const unsigned long long v = (w[0] | (unsigned long long)w[1] << 32) >> (16 * (lane & 1));
@@ -973,10 +899,8 @@ template <int FMT, bool SCALE>
 __device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E], float (&acc)[KR][E], int lane,
                                             const TacoParams& p) {
   decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
-#pragma unroll
-  for (int k = 0; k < KR; k++)
-#pragma unroll
-    for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
+  UNROLL for (int k = 0; k < KR; k++)
+    UNROLL for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
 }
 
 // Staged when the warps loop over groups (a single pass has nothing to overlap; loaded directly, it is
@@ -1036,8 +960,7 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
         load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
       decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
       for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
-#pragma unroll
-        for (int k = 0; k < KR; k++) r[k] = next[k];
+        UNROLL for (int k = 0; k < KR; k++) r[k] = next[k];
         if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
         add_decoded<FMT, SCALE>(r, v, acc, lane, p);
       }
@@ -1070,8 +993,7 @@ __global__ void barrier_kernel(TacoPads pads, int me, int channel) {
   const int peer = threadIdx.x, W = pads.W;
   if (peer >= W || peer == me) return;
   uint32_t *theirs = pads.pad[0], *mine = pads.pad[0];       // constant indices, as in message()
-#pragma unroll
-  for (int k = 1; k < TACO_MAX_PEERS; k++) {
+  UNROLL for (int k = 1; k < TACO_MAX_PEERS; k++) {
     theirs = peer == k ? pads.pad[k] : theirs;
     mine = me == k ? pads.pad[k] : mine;
   }
