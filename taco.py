@@ -27,36 +27,28 @@ The rotation spreads an outlier over the whole block (every output is a +-1 comb
 inputs), so the block's absmax shrinks towards its RMS and the 8 bits are spent on the bulk of
 the distribution. H_B / sqrt(B) is orthonormal and its own inverse.
 
-Once (9) is applied, alpha cancels: Z/s = H(alpha G) / max|H(alpha G)| = H(G) / max|H(G)| in
-exact arithmetic (tests/test_codecs.py shows it on the codes). So the codec `hint8` keeps only s
-and uses INT8 codes, whose uniform grid suits the rotated, near-Gaussian block. Every codec here
-is one parameterised pipeline (CODECS): optional alpha, optional rotation, a scale per block /
-per message / none, and a code format. A codec of another kind can be registered in
-EXTRA_CODECS with the same interface (the lab's `tahquant`, a tile codec, is one).
+Once (9) is applied, alpha cancels (Z/s = H(G) / max|H(G)| in exact arithmetic), so the codec
+`hint8` keeps only s, with INT8 codes, whose uniform grid suits the rotated, near-Gaussian block.
+Every codec here is one parameterised pipeline (CODECS): optional alpha, optional rotation, a
+scale per block / per message / none, and a code format; a codec of another kind can be
+registered in EXTRA_CODECS with the same interface (the lab's `tahquant`).
 
 Wire format: one uint8 buffer per message,
 
     [ payload: nblocks * B * bits/8 bytes ][ per-block fp32 metadata: (alpha_k, s_k) ][ tensor scale ]
 
-so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nmeta*4: pointer
-arithmetic, no index. A rotated block's codes are in lane order (lane_order: the order the kernels
-hold them after the transform), which only the rotation undoes, so encode and decode save a layout
-change. A message is self-contained: it can be sent, stored and decoded alone.
+so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nmeta*4. A rotated
+block's codes are in lane order (lane_order: the order the kernels hold them after the
+transform), which only the rotation undoes. A message is self-contained: it decodes alone.
 
-Non-finite input: a block containing NaN or +-Inf is marked bad: its codes are 0 and its scale
-is NaN, so it decodes to NaN. Nothing non-finite is ever silently turned into a finite number.
-(For the scale-free `fp8` codec this is per element.) Finite input stays finite where the true
-result is representable, near fp32/bf16/fp16's limits too: the rotation is computed on x / B (its
-butterflies cannot overflow) with sqrt(B) folded into the scale; a block's scale is at least
-2^-126 (so 1/s stays finite for tiny blocks); huge scales (s > 2^100) decode in units of 2^64;
-alpha falls back to a scaled sum of squares when the squares overflow; decoded values SATURATE
-at the output type's largest finite value (so a real overflow of the sum also saturates, where
-an uncompressed all-reduce would give Inf). Exceptions, marked bad (NaN), never wrong: in the
-rotated-domain reduce, a block of a rank-order partial sum whose L2 norm passes fp32's largest
-value (3.4e38: |x| ~ 1e37 all over a block on three ranks, whatever the signs); a true sum past
-fp32's range in `ds` (its block) and `fp8-tensor` (its message). float64 goes through as fp32.
-The collectives refuse integer tensors (codec 'none' carries them), and on a codec's first use
-on a group the ranks check that they all use the same one.
+Non-finite input: a block containing NaN or +-Inf is marked bad (codes 0, scale NaN), so it
+decodes to NaN (`fp8`: per element). Finite input stays finite where the true result is
+representable: the rotation runs on x / B with sqrt(B) folded into the scale, a block's scale is
+at least 2^-126, huge scales (s > 2^100) decode in units of 2^64, alpha falls back to a scaled sum
+of squares when the squares overflow, decoded values SATURATE at the output type's largest finite
+value. The few exceptions are marked bad, never wrong (docs/RELIABILITY.md). float64 goes through
+as fp32; integer tensors are refused (codec 'none' carries them); on a codec's first use on a
+group the ranks check that they all use the same one.
 
 The two-shot compressed all-reduce (all_reduce below)
 -----------------------------------------------------
@@ -491,18 +483,37 @@ class CommStats:
 def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False,
                transport="auto"):
     """In-place SUM of x over `group`, like torch.distributed.all_reduce: the two-shot compressed
-    all-reduce of the module docstring. Returns x; with async_op=True a handle instead, after
-    steps 1-3 have been started: do other work, then handle.wait(), after which x holds the sum.
-    The alternatives (one rank, codec none, symmetric memory) are in _alternative."""
+    all-reduce of the module docstring (_two_shot). Returns x; with async_op=True a handle instead,
+    after steps 1-3 have been started: do other work, then handle.wait(), after which x holds the sum.
+    One rank or an empty tensor: nothing to do. Codec none: torch.distributed's all-reduce
+    (transport="symm": PyTorch's own symmetric-memory two-shot). Inside a GPU node whose GPUs are
+    peers (transport "auto" or "symm"): the same six steps with symmetric memory as the wire
+    (taco_symm.py: the kernels read the peers' messages)."""
     cd = get_codec(codec, block_size)
     _check(x, group, cd, chunks)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: choose {', '.join(TRANSPORTS)}")
     if any(st == 0 and size > 1 for st, size in zip(x.stride(), x.shape)):
         raise ValueError("taco.all_reduce sums in place, but elements of x share memory (an expand()ed view): "
                          "pass x.clone()")
-    alternative = _alternative(x, group, cd, transport)
-    if alternative is not None:
-        return alternative(x, stats, async_op)
-    W, n, flat = dist.get_world_size(group), x.numel(), x.contiguous().view(-1)   # a copy only if x is not contiguous
+    W = dist.get_world_size(group) if dist.is_initialized() else 1
+    if W == 1 or x.numel() == 0:
+        return Pending(None) if async_op else x
+    if cd is IDENTITY and transport != "symm":
+        work = dist.all_reduce(x, group=group, async_op=async_op)
+        if stats is not None:              # after the collective: torch.compile's graph breaks there anyway
+            logical = 2 * (W - 1) * x.numel() * x.element_size() / W
+            stats.add(logical, logical)
+        return work if async_op else x
+    ws = taco_symm.workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
+    if ws is not None:
+        return ws.all_reduce_tensor(x, cd, stats, async_op)
+    return _two_shot(x, group, cd, W, chunks, stats, async_op)
+
+
+def _two_shot(x, group, cd, W, chunks, stats, async_op):
+    """Steps 1-6 of the module docstring over torch.distributed, chunk by chunk."""
+    n, flat = x.numel(), x.contiguous().view(-1)               # a copy only if x is not contiguous
     pending, wire = [], 0
     for a, b in _plan_chunks(n, W, cd.B, chunks):
         # === 1. W shards of L elements (whole blocks);  2. compress each: (W, S) bytes, message r for rank r ===
@@ -536,42 +547,6 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
         return Pending(finish)
     finish()
     return x
-
-
-def _alternative(x, group, cd, transport):
-    """How all_reduce runs when not as the two-shot over torch.distributed, or None:
-    - one rank or an empty tensor: nothing to do;
-    - codec none: dist.all_reduce (transport="symm": PyTorch's own symmetric-memory two-shot);
-    - a GPU node whose GPUs are peers (transport "auto" or "symm"): the same six steps with
-      symmetric memory as the wire (taco_symm.py: the kernels read the peers' messages).
-    Each returns fn(x, stats, async_op) -> what all_reduce returns."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r}: choose {', '.join(TRANSPORTS)}")
-    W = dist.get_world_size(group) if dist.is_initialized() else 1
-    if W == 1 or x.numel() == 0:
-        return lambda x, stats, async_op: Pending(None) if async_op else x
-    symm = cd is IDENTITY and transport == "symm"                 # uncompressed over symmetric memory
-    if cd is IDENTITY and not symm:
-        def plain(x, stats, async_op):
-            work = dist.all_reduce(x, group=group, async_op=async_op)
-            if stats is not None:          # after the collective: torch.compile's graph breaks there anyway
-                logical = 2 * (W - 1) * x.numel() * x.element_size() / W
-                stats.add(logical, logical)
-            return work if async_op else x
-        return plain
-    ws = taco_symm.workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
-    if ws is None:
-        return None
-
-    def over_symm(x, stats, async_op):
-        flat = x.contiguous().view(-1)     # a non-contiguous x: flat is a copy, written back at the end
-        then = None if flat.data_ptr() == x.data_ptr() else (lambda: x.copy_(flat.view_as(x)))
-        if cd is IDENTITY:
-            handle = ws.all_reduce_plain(flat, stats, async_op, then)
-        else:
-            handle = ws.all_reduce(flat, cd, stats, async_op, then)
-        return handle if async_op else x
-    return over_symm
 
 
 _AGREED = set()

@@ -182,6 +182,18 @@ class Workspace:
             return Pending(done)
         done()
 
+    def all_reduce_tensor(self, x, cd, stats, async_op):
+        """taco.all_reduce of x over this workspace: compressed by codec cd, or for the codec `none`
+        PyTorch's own two-shot. A non-contiguous x is reduced in a contiguous copy, written back at
+        the end. Returns x, or with async_op a handle."""
+        flat = x.contiguous().view(-1)
+        then = None if flat.data_ptr() == x.data_ptr() else (lambda: x.copy_(flat.view_as(x)))
+        if cd.name == "none":
+            handle = self.all_reduce_plain(flat, stats, async_op, then)
+        else:
+            handle = self.all_reduce(flat, cd, stats, async_op, then)
+        return handle if async_op else x
+
     @torch.compiler.disable            # raw addresses and a callback: run eagerly, also inside torch.compile
     def all_reduce(self, flat, cd, stats, async_op, then=None):
         """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode) on this
