@@ -178,31 +178,24 @@ def fsqrt(a):
     return torch.sqrt(a.double()).float()
 
 
-def pack_int6(q):
-    """(..., 4k) int codes in [-31, 31] -> (..., 3k) bytes: w = u0 | u1<<6 | u2<<12 | u3<<18, little-endian."""
-    u = (q.to(torch.int32) & 63).reshape(*q.shape[:-1], -1, 4)
-    w = u[..., 0] | (u[..., 1] << 6) | (u[..., 2] << 12) | (u[..., 3] << 18)
-    b = torch.stack((w & 255, (w >> 8) & 255, (w >> 16) & 255), dim=-1)
+def pack_bits(q, bits):
+    """(..., n) int codes of `bits` bits -> bytes, little-endian: each run of lcm(bits, 8) bits holds
+    the next codes as u0 | u1 << bits | ... (INT6: 4 codes in 3 bytes; INT4: 2 in a byte, the first
+    in the low nibble). n must fill whole runs (a block does)."""
+    k = math.lcm(bits, 8) // bits
+    u = (q.to(torch.int32) & ((1 << bits) - 1)).reshape(*q.shape[:-1], -1, k)
+    w = sum(u[..., i] << (bits * i) for i in range(k))
+    b = torch.stack([(w >> (8 * j)) & 255 for j in range(k * bits // 8)], dim=-1)
     return b.to(torch.uint8).reshape(*q.shape[:-1], -1)
 
 
-def unpack_int6(b):
-    t = b.to(torch.int32).reshape(*b.shape[:-1], -1, 3)
-    w = t[..., 0] | (t[..., 1] << 8) | (t[..., 2] << 16)
-    u = torch.stack([(w >> s) & 63 for s in (0, 6, 12, 18)], dim=-1)
-    return ((u ^ 32) - 32).reshape(*b.shape[:-1], -1)          # sign-extend 6 bits
-
-
-def pack_int4(q):
-    """(..., 2k) int codes in [-7, 7] -> (..., k) bytes, the first code in the low nibble."""
-    u = (q.to(torch.int32) & 15).reshape(*q.shape[:-1], -1, 2)
-    return (u[..., 0] | (u[..., 1] << 4)).to(torch.uint8)
-
-
-def unpack_int4(b):
-    t = b.to(torch.int32)
-    u = torch.stack((t & 15, t >> 4), dim=-1)
-    return ((u ^ 8) - 8).reshape(*b.shape[:-1], -1)             # sign-extend 4 bits
+def unpack_bits(b, bits):
+    k = math.lcm(bits, 8) // bits
+    t = b.to(torch.int32).reshape(*b.shape[:-1], -1, k * bits // 8)
+    w = sum(t[..., j] << (8 * j) for j in range(t.shape[-1]))
+    u = torch.stack([(w >> (bits * i)) & ((1 << bits) - 1) for i in range(k)], dim=-1)
+    sign = 1 << (bits - 1)
+    return ((u ^ sign) - sign).reshape(*b.shape[:-1], -1)      # sign-extend
 
 
 def quantize(y, fmt):
@@ -211,15 +204,13 @@ def quantize(y, fmt):
     if fmt in FP8_DTYPE:
         return y.to(FP8_DTYPE[fmt]).view(torch.uint8)
     q = torch.round(y)                                          # round half to even
-    return {"int8": lambda: q.to(torch.int8).view(torch.uint8), "int6": lambda: pack_int6(q),
-            "int4": lambda: pack_int4(q)}[fmt]()
+    return q.to(torch.int8).view(torch.uint8) if fmt == "int8" else pack_bits(q, BITS[fmt])
 
 
 def dequantize(b, fmt):
     if fmt in FP8_DTYPE:
         return b.view(FP8_DTYPE[fmt]).float()
-    return {"int8": lambda: b.view(torch.int8), "int6": lambda: unpack_int6(b),
-            "int4": lambda: unpack_int4(b)}[fmt]().float()
+    return (b.view(torch.int8) if fmt == "int8" else unpack_bits(b, BITS[fmt])).float()
 
 
 def cdiv(a, b):

@@ -13,7 +13,7 @@ import sys
 import torch
 
 import taco
-from taco import Codec, cdiv, fwht, pack_int4, rank_order_sum, unpack_int4
+from taco import Codec, cdiv, fwht, pack_bits, rank_order_sum, unpack_bits
 
 
 class TahQuant:
@@ -127,7 +127,7 @@ class TahQuant:
         # === pack: every tile's bytes at its offset in the message's payload (INT3 tiles use 24 of 32) ===
         P = self.payload_bytes(T)
         q3 = torch.nn.functional.pad(_pack_u3(q & 7), (0, G // 8))
-        codes = torch.where(int3[..., None], q3, pack_int4(q))
+        codes = torch.where(int3[..., None], q3, pack_bits(q, 4))
         payload = torch.zeros(M * P + 1, dtype=torch.uint8, device=x.device)
         payload[self._positions(int3, P)] = codes             # only the spare byte is written twice
         payload = payload[:-1]
@@ -144,7 +144,7 @@ class TahQuant:
         payload = buf[:, 9 * T:9 * T + P].reshape(-1)
         int3, had, piv = (flags >> 7) & 1 == 1, (flags >> 6) & 1 == 1, (flags & 63).long()
         codes = torch.cat((payload, payload.new_zeros(1)))[self._positions(int3, P)]     # (M, T, G/2)
-        q = torch.where(int3[..., None], _unpack_u3(codes[..., :G * 3 // 8]), unpack_int4(codes) & 15).float()
+        q = torch.where(int3[..., None], _unpack_u3(codes[..., :G * 3 // 8]), unpack_bits(codes, 4) & 15).float()
         z = q * meta[..., 1:] + meta[..., :1]
         y = torch.where(had[..., None], self._swap(fwht(z * self.c), piv), z)
         return y.reshape(M, L)

@@ -180,16 +180,19 @@ def test_fp8_cast_is_rne_and_saturating(fmt):
 
 def test_int4_packing_roundtrips_every_code():
     q = torch.arange(-7, 9).clamp(max=7)                                    # 16 codes
-    packed = taco.pack_int4(q)
-    assert packed.numel() == 8 and torch.equal(taco.unpack_int4(packed), q)
+    packed = taco.pack_bits(q, 4)
+    assert packed.numel() == 8 and torch.equal(taco.unpack_bits(packed, 4), q)
+    assert taco.pack_bits(torch.tensor([1, 2, -1, 3]), 4).tolist() == [0x21, 0x3F]   # the first code low
     assert taco.get_codec("hint4").nbytes(256 * 4) == 4 * (128 + 4)
 
 
 def test_int6_packing_roundtrips_every_code():
     q = torch.arange(-31, 33).clamp(max=31)                                 # 64 codes, a multiple of 4
-    packed = taco.pack_int6(q)
+    packed = taco.pack_bits(q, 6)
     assert packed.numel() == 48 and packed.dtype == torch.uint8
-    assert torch.equal(taco.unpack_int6(packed), q)
+    assert torch.equal(taco.unpack_bits(packed, 6), q)
+    # w = 1 | 2 << 6 | 3 << 12 | 4 << 18 = 0x103081 -> bytes 0x81 0x30 0x10 (the kernels' layout)
+    assert taco.pack_bits(torch.tensor([1, 2, 3, 4]), 6).tolist() == [0x81, 0x30, 0x10]
     assert taco.get_codec("hint6").nbytes(256 * 4) == 4 * (192 + 4)         # 25% fewer payload bytes
 
 
@@ -601,8 +604,8 @@ def test_integer_codes_round_half_to_even():
     """quantize() (every INT codec's last step): halfway values go to the even integer, as Python's
     round() defines it."""
     y = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 126.5, -126.5, 4.4999, 4.5001] * 4)
-    for fmt, decode in (("int8", lambda b: b.view(torch.int8).float()), ("int6", taco.unpack_int6),
-                        ("int4", taco.unpack_int4)):
+    for fmt, decode in (("int8", lambda b: b.view(torch.int8).float()), ("int6", lambda b: taco.unpack_bits(b, 6)),
+                        ("int4", lambda b: taco.unpack_bits(b, 4))):
         q = taco.QMAX[fmt]
         yy = y.clamp(-q, q)
         got = decode(taco.quantize(yy, fmt)).float().reshape(-1)
