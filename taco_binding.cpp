@@ -1,15 +1,13 @@
-// taco_binding.cpp — the only file that includes PyTorch's headers (slow to compile, rarely
-// changes): unpacks tensors into pointers and launches taco_kernels.cu on the current stream.
+// taco_binding.cpp — the kernels' PyTorch side (its headers are slow to compile and rarely change,
+// so taco_kernels.cu does without them): unpacks tensors into pointers and launches the kernels on
+// the current stream. The symmetric-memory transport's own functions are in taco_symm.cu.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-#include <functional>
-#include <map>
-
 #include "taco_kernels.h"
 
-namespace {
+namespace taco_binding {       // also called by taco_symm.cu
 
 constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco_kernels.supports says which)";
 
@@ -28,28 +26,6 @@ void check(const torch::Tensor& t, const char* what) {
 TacoMsgs contiguous(const torch::Tensor& buf) {
   check(buf, "buffer");
   return TacoMsgs{buf.data_ptr<uint8_t>(), {}, 0};
-}
-
-// 1 to TACO_MAX_PEERS device addresses (what: their name in the error) into dst; returns how many
-template <typename T>
-int addresses(const std::vector<int64_t>& ptrs, T* (&dst)[TACO_MAX_PEERS], const char* what) {
-  TORCH_CHECK(!ptrs.empty() && ptrs.size() <= TACO_MAX_PEERS, "taco: 1 to ", TACO_MAX_PEERS, " ", what);
-  for (size_t i = 0; i < ptrs.size(); i++) dst[i] = reinterpret_cast<T*>(ptrs[i]);
-  return (int)ptrs.size();
-}
-
-// message m at address ptrs[m]: buffers in the peers' symmetric memory (the caller keeps them alive)
-TacoMsgs scattered(const std::vector<int64_t>& ptrs) {
-  TacoMsgs m{nullptr, {}, 0};
-  m.n_ptr = addresses(ptrs, m.ptr, "message pointers");
-  return m;
-}
-
-// rank r's signal pad at address ptrs[r] (PyTorch's symmetric memory: the handle's signal_pad_ptrs)
-TacoPads signal_pads(const std::vector<int64_t>& ptrs) {
-  TacoPads s{{}, 0};
-  s.W = addresses(ptrs, s.pad, "signal pads");
-  return s;
 }
 
 torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optional<torch::Tensor> into) {
@@ -90,131 +66,26 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const T
   return out;
 }
 
-// Stream `waiter` waits for the work queued on `done` so far (an event recorded there), both on the
-// current device: one event per device, reused, as each record is waited on at once.
-void wait_for(cudaStream_t waiter, cudaStream_t done) {
-  static cudaEvent_t events[64] = {};
-  const int dev = c10::cuda::current_device();
-  TORCH_CHECK(dev < 64, "taco: device index ", dev, " >= 64");
-  if (!events[dev]) C10_CUDA_CHECK(cudaEventCreateWithFlags(&events[dev], cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(events[dev], done));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(waiter, events[dev], 0));
-}
+}  // namespace taco_binding
 
-using StreamId = std::tuple<int64_t, int64_t, int64_t>;    // torch.cuda.Stream's (stream_id, device_index, device_type)
-
-c10::cuda::CUDAStream unpack(const StreamId& s) {
-  return c10::cuda::CUDAStream::unpack3(std::get<0>(s), std::get<1>(s), static_cast<c10::DeviceType>(std::get<2>(s)));
-}
-
-// One plan's all-reduce captured as CUDA graphs, one per (tensor address, dtype): a later eager call
-// on the same tensor costs one graph launch instead of five kernel launches. At most kMax graphs;
-// past that (addresses that keep changing), calls launch the kernels one by one.
-class Replays {
- public:
-  static constexpr size_t kMax = 64;
-  ~Replays() {
-    for (auto& kv : execs_) cudaGraphExecDestroy(kv.second);     // one still running is freed when done
-  }
-  // the graph for x; if new, captured now on stream cs (work already queued there is not part of it)
-  // from launch_all(), which launches on the current stream
-  cudaGraphExec_t get(const torch::Tensor& x, const c10::cuda::CUDAStream& cs,
-                      const std::function<void()>& launch_all) {
-    const auto key = std::make_pair(x.data_ptr(), dtype_code(x));
-    const auto it = execs_.find(key);
-    if (it != execs_.end()) return it->second;
-    if (execs_.size() >= kMax) return nullptr;
-    const c10::cuda::CUDAStreamGuard on(cs);
-    C10_CUDA_CHECK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
-    cudaGraph_t graph = nullptr;
-    try {
-      launch_all();
-    } catch (...) {                                                // a failed check: end the capture
-      if (cudaStreamEndCapture(cs, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
-      throw;
-    }
-    C10_CUDA_CHECK(cudaStreamEndCapture(cs, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    C10_CUDA_CHECK(err);
-    return execs_[key] = exec;
-  }
-
- private:
-  std::map<std::pair<void*, int>, cudaGraphExec_t> execs_;
-};
-
-// The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs one graph
-// launch (replay: a graph per tensor, Replays) or five kernel launches, not a dozen Python steps:
-// encode x into my A (one message per rank), barrier(0), reduce every peer's A[me] into my B,
-// barrier(1), decode every peer's B into x. All on the workspace's stream `side` (every call of a
-// workspace in order, as they share its buffers), after it waited for the caller's stream; join: the
-// caller's stream waits for it now (else at handle.wait(), join_stream). While the caller's stream is
-// being captured into a graph, the kernels are launched one by one (into that graph).
-void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
-                      const TacoPads& pads, int64_t me, const TacoParams& p, Replays& replays, bool replay,
-                      const StreamId& side, bool join) {
-  check(x, "input");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream();
-  const c10::cuda::CUDAStream s = unpack(side);
-  const auto launch_all = [&] {                                           // on the current stream
-    encode(x, mine.n_ptr, p, a);
-    taco_barrier(pads, (int)me, 0, c10::cuda::getCurrentCUDAStream());
-    reduce_encode(mine, mine.n_ptr, b, p);
-    taco_barrier(pads, (int)me, 1, c10::cuda::getCurrentCUDAStream());
-    decode(every, every.n_ptr, x, p);
-  };
-  cudaStreamCaptureStatus capturing;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(caller, &capturing));
-  const bool own_graph = replay && capturing == cudaStreamCaptureStatusNone;
-  const cudaGraphExec_t exec = own_graph ? replays.get(x, s, launch_all) : nullptr;
-  wait_for(s.stream(), caller);                                           // the input is ready
-  if (exec) {
-    C10_CUDA_CHECK(cudaGraphLaunch(exec, s.stream()));
-  } else {
-    const c10::cuda::CUDAStreamGuard on_side(s);
-    launch_all();
-  }
-  if (join) wait_for(caller, s.stream());
-}
-
-}  // namespace
+void bind_symm(pybind11::module_& m);     // taco_symm.cu: the symmetric-memory transport
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace taco_binding;
   py::enum_<TacoFmt>(m, "Fmt")
       .value("e4m3", TACO_E4M3).value("e5m2", TACO_E5M2).value("int8", TACO_INT8).value("int6", TACO_INT6);
 #define FIELD(name) .def_readwrite(#name, &TacoParams::name)        // the same name on both sides
   py::class_<TacoParams>(m, "Params").def(py::init<>()) FIELD(fmt) FIELD(adaptive) FIELD(rotate) FIELD(scale_block)
       FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S);
 #undef FIELD
-  py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
-  py::class_<Replays>(m, "Replays").def(py::init<>(), "a plan's all-reduce as CUDA graphs, one per tensor");
-  py::class_<TacoPads>(m, "Pads").def(py::init(&signal_pads), "the ranks' signal pads at the given device addresses");
-  m.def("all_reduce_peers", &all_reduce_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
-        "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("pads"),
-        py::arg("me"), py::arg("p"), py::arg("replays"), py::arg("replay"), py::arg("side"), py::arg("join"));
-  m.def("barrier", [](const TacoPads& pads, int64_t me, int64_t channel) {
-    TORCH_CHECK(0 <= me && me < pads.W && channel >= 0, "taco: barrier of rank ", me, " of ", pads.W, ", channel ",
-                channel);
-    taco_barrier(pads, (int)me, (int)channel, c10::cuda::getCurrentCUDAStream());
-  }, "a barrier of the ranks, on the current stream: rank `me` of pads.W, on the given channel (0, 1, ...)");
-  m.def("join_stream", [](const StreamId& side) {
-    const c10::cuda::CUDAStream s = unpack(side);
-    const c10::cuda::CUDAGuard guard(s.device_index());
-    wait_for(c10::cuda::getCurrentCUDAStream(), s.stream());
-  }, "the current stream (of `side`'s device) waits for the work queued so far on stream `side`");
   m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
         py::arg("x"), py::arg("M"), py::arg("p"), py::arg("into") = py::none());
   m.def("decode", [](torch::Tensor buf, torch::Tensor out, const TacoParams& p) {
     return decode(contiguous(buf), buf.size(0), out, p);
   }, "fused decompress of an (M, S) buffer into out");
-  m.def("decode_peers", [](std::vector<int64_t> ptrs, torch::Tensor out, const TacoParams& p) {
-    return decode(scattered(ptrs), ptrs.size(), out, p);
-  }, "fused decompress of messages at the given device addresses into out");
   m.def("reduce_encode", [](torch::Tensor buf, const TacoParams& p) {
     auto out = torch::empty({p.S}, buf.options());
     return reduce_encode(contiguous(buf), buf.size(0), out, p);
   }, "fused decompress-reduce-compress of a (P, S) buffer");
+  bind_symm(m);
 }

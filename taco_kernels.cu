@@ -969,45 +969,6 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
   }
 }
 
-// --- the barrier (taco_kernels.h): one thread per peer --------------------------------------------
-
-__device__ __forceinline__ uint32_t cas_release(uint32_t* a, uint32_t from, uint32_t to) {
-  uint32_t old;
-  asm volatile("atom.release.sys.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(a), "r"(from), "r"(to) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ uint32_t cas_acquire(uint32_t* a, uint32_t from, uint32_t to) {
-  uint32_t old;
-  asm volatile("atom.acquire.sys.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(a), "r"(from), "r"(to) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ unsigned long long now_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__global__ void barrier_kernel(TacoPads pads, int me, int channel) {
-  const int peer = threadIdx.x, W = pads.W;
-  if (peer >= W || peer == me) return;
-  uint32_t *theirs = pads.pad[0], *mine = pads.pad[0];       // constant indices, as in message()
-  UNROLL for (int k = 1; k < TACO_MAX_PEERS; k++) {
-    theirs = peer == k ? pads.pad[k] : theirs;
-    mine = me == k ? pads.pad[k] : mine;
-  }
-  const unsigned long long t0 = now_ns(), limit = 600ull * 1000000000ull;
-  bool ok = true;
-  // my flag in the peer's pad: still 1 while the peer has not passed this channel's previous barrier
-  while (ok && cas_release(theirs + W * channel + me, 0, 1) != 0) ok = now_ns() - t0 < limit;
-  while (ok && cas_acquire(mine + W * channel + peer, 1, 0) != 1) ok = now_ns() - t0 < limit;
-  if (ok) return;
-  printf("taco: rank %d waited 10 minutes at a barrier for rank %d (a collective that not every rank called?)\n",
-         me, peer);
-  __trap();
-}
-
 // CTAs of `warps` warps for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when
 // the warps loop over groups, at most per_sm CTAs per SM over the M messages (~2 waves for encode and
 // decode, ~4 for reduce-encode)
@@ -1116,8 +1077,4 @@ bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long lon
 bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
   if (p.L / B == 0) return true;
   return dispatch(Op::ReduceEncode, nullptr, 0, 0, buf, P, p, out, st);
-}
-
-void taco_barrier(TacoPads pads, int me, int channel, cudaStream_t st) {
-  barrier_kernel<<<1, 32, 0, st>>>(pads, me, channel);
 }

@@ -1,4 +1,5 @@
-// taco_kernels.h — the interface between taco_kernels.cu (plain CUDA) and taco_binding.cpp (PyTorch).
+// taco_kernels.h — the interface between taco_kernels.cu (plain CUDA) and its PyTorch callers,
+// taco_binding.cpp and taco_symm.cu.
 // Only plain C types here, so the kernels compile without PyTorch's headers.
 #pragma once
 #include <cuda_runtime.h>
@@ -29,19 +30,6 @@ struct TacoMsgs {
   const uint8_t* ptr[TACO_MAX_PEERS];
   int n_ptr;
 };
-
-// The ranks' signal pads (PyTorch's symmetric memory maps one beside each buffer): pad[r] is rank
-// r's, and the flag that rank `src` raises for rank r in channel ch is pad[r][W * ch + src].
-struct TacoPads {
-  uint32_t* pad[TACO_MAX_PEERS];
-  int W;
-};
-
-// A barrier of the W ranks, queued on st: rank `me` raises its flag in every peer's pad (0 -> 1,
-// release), then waits for and lowers every peer's flag in its own (1 -> 0, acquire). The flags and
-// their protocol are PyTorch's symmetric-memory barrier's, so the two can be mixed. A peer that has
-// not come after 10 minutes stops the kernel with an error.
-void taco_barrier(TacoPads pads, int me, int channel, cudaStream_t st);
 
 // Each returns false, launching nothing, for a codec the kernels are not built for.
 // x: n elements of dtype xdt; message m encodes x[m*L, (m+1)*L) (zeros past n) into out[m*S, (m+1)*S)

@@ -16,6 +16,7 @@ import subprocess
 import torch
 import torch.distributed as dist
 
+SOURCES = ("taco_binding.cpp", "taco_kernels.cu", "taco_symm.cu")   # one extension
 MAX_PEERS = 8                  # TACO_MAX_PEERS in taco_kernels.h: messages at up to 8 addresses
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXT = None
@@ -50,8 +51,7 @@ def load(verbose=False):
     tag = "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
     build = os.path.join(_HERE, "build", "taco_kernels" + tag)
     os.makedirs(build, exist_ok=True)
-    build_it = lambda: jit_load(name="taco_ext" + tag, sources=[os.path.join(_HERE, "taco_binding.cpp"),
-                                                                os.path.join(_HERE, "taco_kernels.cu")],
+    build_it = lambda: jit_load(name="taco_ext" + tag, sources=[os.path.join(_HERE, f) for f in SOURCES],
                                 extra_cuda_cflags=["-O3", "-fmad=false"] + _split_compile() + extra,
                                 extra_include_paths=[_HERE], build_directory=build, verbose=verbose)
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -121,7 +121,7 @@ def signal_pads(ptrs):
 
 
 def barrier(pads, me, channel):
-    """A barrier of the ranks on the current stream (taco_kernels.h: PyTorch's flags and protocol)."""
+    """A barrier of the ranks on the current stream (taco_symm.cu: PyTorch's flags and protocol)."""
     return load().barrier(pads, me, channel)
 
 

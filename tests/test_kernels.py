@@ -195,7 +195,7 @@ def test_roundtrip_on_gpu_matches_cpu():
 
 
 KERNEL_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(taco_kernels.__file__)), f)
-                  for f in ("taco_kernels.cu", "taco_kernels.h", "taco_binding.cpp")]
+                  for f in taco_kernels.SOURCES + ("taco_kernels.h",)]
 
 
 def run_selected(names):
