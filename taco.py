@@ -41,14 +41,11 @@ so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nme
 block's codes are in lane order (lane_order: the order the kernels hold them after the
 transform), which only the rotation undoes. A message is self-contained: it decodes alone.
 
-Non-finite input: a block containing NaN or +-Inf is marked bad (codes 0, scale NaN), so it
-decodes to NaN (`fp8`: per element). Finite input stays finite where the true result is
-representable: the rotation runs on x / B with sqrt(B) folded into the scale, a block's scale is
-at least 2^-126, huge scales (s > 2^100) decode in units of 2^64, alpha falls back to a scaled sum
-of squares when the squares overflow, decoded values SATURATE at the output type's largest finite
-value. The few exceptions are marked bad, never wrong (docs/RELIABILITY.md). float64 goes through
-as fp32; integer tensors are refused (codec 'none' carries them); on a codec's first use on a
-group the ranks check that they all use the same one.
+Non-finite input: a block holding NaN or +-Inf is marked bad (codes 0, scale NaN) and decodes to
+NaN (`fp8`: per element). Finite input stays finite where the true result is representable, and
+decoded values saturate at the output type's largest finite value (how: Codec._encode_ref's
+comments; the few exceptions, marked bad: docs/RELIABILITY.md). float64 goes through as fp32; integer tensors are refused (codec
+'none' carries them); on a codec's first use on a group the ranks check that they all use it.
 
 The two-shot compressed all-reduce (all_reduce below)
 -----------------------------------------------------
@@ -123,8 +120,7 @@ def fwht(x, reverse=False):
     """Unnormalised Walsh-Hadamard transform over the last dim (a power of two), in place order:
     butterflies (a, b) -> (a + b, a - b) with stride 1, 2, 4, ... (reverse: ..., 4, 2, 1). Encode
     runs it forward and decode in reverse, the kernels' orders (the same H, rounded differently)."""
-    B = x.shape[-1]
-    lead = x.shape[:-1]
+    B, lead = x.shape[-1], x.shape[:-1]
     strides = [1 << i for i in range(B.bit_length() - 1)]
     for h in reversed(strides) if reverse else strides:
         x = x.reshape(*lead, B // (2 * h), 2, h)
@@ -291,10 +287,12 @@ class Codec:
         g = g * (alpha * pre)[..., None] if sp.adaptive else g * pre
         if rot:
             g = fwht(g)                                             # Z / sqrt(B), Z = H(x) / sqrt(B)
-        # === Eq. 9: absmax scale (s = m / Qmax and 1/s correctly rounded, once per block) ===
+        # === Eq. 9: absmax scale s = m cb / Qmax (as (m / Qmax) cb: it cannot overflow; at least 2^-126
+        # when m > 0, so that 1/s is finite), and 1/s correctly rounded, once per block ===
         if sp.scale in ("block", "tensor"):
             m = g.abs().amax(dim=-1) if sp.scale == "block" else g.abs().reshape(M, -1).amax(dim=-1)[:, None]
-            s = self.scale_of(m, cb)
+            s = fdiv(m, self.qmax) * cb
+            s = torch.where((m > 0) & (s < 2.0 ** -126), torch.full_like(s, 2.0 ** -126), s)
             inv = fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))
             # y = Z / s without forming Z (which can pass fp32's max when H(x) does): g * (cb / s),
             # exact like (g * cb) / s; for tiny blocks (cb / s could overflow) in that order
@@ -302,10 +300,8 @@ class Codec:
             gt, mul = torch.where(tiny[..., None], g * cb, g), torch.where(tiny, inv, inv * cb)[..., None]
             # integer codes round the exact product (fp64 holds it; the kernels use one fma)
             y = gt.double() * mul.double() if sp.fmt.startswith("int") else gt * mul
-            if sp.scale == "tensor":
-                tbad = bad.any(dim=-1)
-                bad |= tbad[:, None]
-                s = s[:, 0]
+            if sp.scale == "tensor":                                # one scale: a bad block spoils its message
+                bad |= bad.any(dim=-1, keepdim=True)
         else:
             y = g * cb
         # === Eq. 10: codes (of a rotated block in the kernels' lane order) ===
@@ -318,18 +314,14 @@ class Codec:
             q = quantize(torch.where(bad[..., None], torch.zeros_like(y), y), sp.fmt)
         # === pack: payload | per-block (alpha, s) | tensor scale | zero padding to 16 bytes ===
         nan = torch.tensor(float("nan"), device=x.device)
-        parts, meta = [q.reshape(M, -1)], []
-        if sp.adaptive:
-            meta.append(torch.where(bad, nan, alpha))
-        if sp.scale == "block":
-            meta.append(torch.where(bad, nan, s))
+        meta = ([alpha] if sp.adaptive else []) + ([s] if sp.scale == "block" else [])
+        parts = [q.reshape(M, -1)]
         if meta:
-            parts.append(torch.stack(meta, dim=-1).reshape(M, -1).contiguous().view(torch.uint8))
+            parts.append(torch.where(bad[..., None], nan, torch.stack(meta, dim=-1)).reshape(M, -1).view(torch.uint8))
         if sp.scale == "tensor":
-            parts.append(torch.where(tbad, nan, s).reshape(M, 1).contiguous().view(torch.uint8))
-        out = torch.cat(parts, dim=1)
-        pad = self.nbytes(L) - out.shape[1]
-        return torch.cat((out, out.new_zeros(M, pad)), dim=1) if pad else out
+            parts.append(torch.where(bad[:, :1], nan, s).view(torch.uint8))
+        pad = self.nbytes(L) - sum(part.shape[1] for part in parts)
+        return torch.cat((*parts, q.new_zeros(M, pad)), dim=1)
 
     # === decode ===
     def decode(self, buf, L, n=None, dtype=torch.float32, out=None):
@@ -353,46 +345,31 @@ class Codec:
         pay = nb * B * self.bits // 8
         y = dequantize(buf[:, :pay].contiguous(), sp.fmt).reshape(M, nb, B)
         meta = buf[:, pay:pay + nb * self.nmeta * 4].contiguous().view(torch.float32).reshape(M, nb, self.nmeta)
-        s, big = None, None
-        if sp.scale == "block":
-            s = meta[..., -1:]
-        elif sp.scale == "tensor":
+        s = meta[..., -1:] if sp.scale == "block" else None
+        if sp.scale == "tensor":
             tpos = pay + nb * self.nmeta * 4
             s = buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
-        # === Eq. 11: Z' = q s ===
+        # === Eq. 11: Z' = q s (a huge block, s > 2^100, in units of 2^64, so that H(q s) cannot overflow) ===
+        inverse = sp.rotate and not rotated
+        unit = torch.where(s > 2.0 ** 100, 2.0 ** 64, 1.0) if inverse and s is not None else 1.0
         if s is not None:
-            # a huge block (s > 2^100) is inverse-rotated in units of 2^64, so H(q s) cannot overflow
-            big = (s > 2.0 ** 100) if sp.rotate and not rotated else None
-            y = y * (s if big is None else torch.where(big, s * 2.0 ** -64, s))
+            y = y * (s / unit)
         # === Eq. 12: Y' = H(Z') / sqrt(B) (the kernels multiply s by 1/sqrt(B) = 1/16 first where
-        # that is exact, 2^-90 <= s: the same values) ===
-        if sp.rotate and not rotated:
-            y = fwht(lane_order(y, inverse=True), reverse=True) * self.c
-            if big is not None:
-                y = torch.where(big, y * 2.0 ** 64, y)
+        # that is exact, 2^-90 <= s: the same values), times the unit ===
+        if inverse:
+            y = fwht(lane_order(y, inverse=True), reverse=True) * self.c * unit
         # === Eq. 13: G' = Y' / alpha ===
         if sp.adaptive:
             alpha = meta[..., :1]
             y = y * fdiv(torch.ones_like(alpha), alpha)
         return y.reshape(M, L)
 
-    def scale_of(self, m, cb=1.0):
-        """The scale s = m * cb / Qmax of a block (or message) whose absmax is m * cb, rounded like
-        (m / Qmax) * cb (the same value when cb is a power of two) so that it never overflows; at
-        least 2^-126 when m > 0, so that 1/s stays finite (tiny blocks)."""
-        s = fdiv(m, self.qmax) * cb
-        return torch.where((m > 0) & (s < 2.0 ** -126), torch.full_like(s, 2.0 ** -126), s)
-
     def reduce_encode(self, buf, L):
-        """Sum P messages in fp32 in message order 0..P-1 and encode the sum as one message.
-
-        The sum is taken in the rotated domain: each message is decoded up to, not through, the
-        inverse rotation (q s / alpha), the P blocks are added, and the sum is encoded from Eq. 9 on
-        with alpha computed on it (a block's RMS is the same on both sides of an orthonormal
-        rotation). H is linear, so this is the sum of the decoded messages rotated and re-encoded,
-        as a two-shot all-reduce needs, without the P inverse and the one forward transform per
-        block: it differs from decode-sum-encode by fp32 rounding only. Unrotated codecs: the plain
-        decode-sum-encode."""
+        """Sum P messages in fp32 in message order 0..P-1 and encode the sum as one message, in the
+        rotated domain: each message decoded up to, not through, the inverse rotation (q s / alpha),
+        the P blocks added, the sum encoded from Eq. 9 on (alpha computed on it: an orthonormal
+        rotation keeps a block's RMS). H is linear, so this is decode-sum-encode without the P + 1
+        transforms per block, up to fp32 rounding. Unrotated codecs: the plain decode-sum-encode."""
         if self.kernel_ok(buf):
             return taco_kernels.reduce_encode(self, buf, L)
         return self._encode_ref(rank_order_sum(self._decode_ref(buf, L, rotated=True)), 1, L, rotated=True)[0]
@@ -415,17 +392,9 @@ class Codec:
 
 
 class Identity:
-    """The codec `none`: the tensor's own bytes on the wire (bf16 stays bf16, fp32 stays fp32).
-    The collectives take the plain torch.distributed path for it."""
+    """The codec `none`: the tensor's own bytes on the wire (bf16 stays bf16). Every user of a codec
+    (the collectives, parallel.send_stage) takes the plain torch.distributed path for it."""
     name = "none"
-
-    def compress(self, x):
-        return x.detach().contiguous().reshape(-1).view(torch.uint8).clone()
-
-    def decompress(self, buf, shape, dtype=torch.float32):
-        return buf.view(dtype).reshape(shape).clone()
-
-    roundtrip = Codec.roundtrip
 
 
 IDENTITY = Identity()
@@ -474,12 +443,10 @@ class CommStats:
 def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False,
                transport="auto"):
     """In-place SUM of x over `group`, like torch.distributed.all_reduce: the two-shot compressed
-    all-reduce of the module docstring (_two_shot). Returns x; with async_op=True a handle instead,
-    after steps 1-3 have been started: do other work, then handle.wait(), after which x holds the sum.
-    One rank or an empty tensor: nothing to do. Codec none: torch.distributed's all-reduce
-    (transport="symm": PyTorch's own symmetric-memory two-shot). Inside a GPU node whose GPUs are
-    peers (transport "auto" or "symm"): the same six steps with symmetric memory as the wire
-    (taco_symm.py: the kernels read the peers' messages)."""
+    all-reduce of the module docstring (_two_shot; inside a GPU node whose GPUs are peers, with
+    transport "auto" or "symm", the same six steps over symmetric memory: taco_symm.py). Returns x;
+    with async_op=True a handle once steps 1-3 are started: handle.wait() leaves the sum in x.
+    Codec none: torch.distributed's all-reduce (transport="symm": PyTorch's symmetric-memory one)."""
     cd = get_codec(codec, block_size)
     _check(x, group, cd, chunks)
     if transport not in TRANSPORTS:
@@ -555,7 +522,7 @@ def _check(x, group, cd, chunks=1):
         raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
     key = (group or dist.group.WORLD, cd.name, getattr(cd, "B", 0))
     if key not in _AGREED and dist.is_initialized() and dist.get_world_size(group) > 1:
-        mine = torch.tensor([sum(cd.name.encode()) * 1000003 + len(cd.name), key[2]], device=x.device)
+        mine = torch.tensor([codec_names().index(cd.name), key[2]], device=x.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         if any(not torch.equal(e, mine) for e in every):
