@@ -35,14 +35,6 @@
 
 #include "taco_kernels.h"
 
-// the two build-time knobs, to compare variants (TACO_NVCC_FLAGS="-DTACO_K=2"; docs/KERNELS.md)
-#ifndef TACO_K
-#define TACO_K 4          // blocks per warp and group
-#endif
-#ifndef TACO_PREFETCH
-#define TACO_PREFETCH 1   // 1: a warp loops over groups and loads the next group during this one's math
-#endif
-
 namespace {
 
 #define UNROLL _Pragma("unroll")   // unroll the loop that follows on the same line
@@ -52,9 +44,8 @@ constexpr int E = 8;                   // elements per lane
 constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
 constexpr int EW = 4;                  // warps per CTA in encode
 constexpr int ENC_CTAS = 7;            // encode's CTAs per SM, so at most 72 registers (__launch_bounds__)
-constexpr int K = TACO_K;              // blocks per warp in encode / decode
+constexpr int K = 4;                   // blocks per warp in encode / decode
 constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
-constexpr bool PREFETCH = TACO_PREFETCH;
 constexpr long long RED_CTAS_PER_SM = 16;  // reduce-encode's grid cap; past it its warps loop over groups
 constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
 constexpr unsigned FULL = 0xffffffffu;
@@ -757,10 +748,10 @@ __device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i
 
 // INT6 decodes faster without the prefetch (docs/KERNELS.md)
 template <int FMT>
-__host__ __device__ constexpr bool decode_ahead() { return PREFETCH && FMT != TACO_INT6; }
+__host__ __device__ constexpr bool decode_ahead() { return FMT != TACO_INT6; }
 
-// --- kernels: grid (groups of WARPS * K blocks, messages); with PREFETCH the grid is capped and each
-// warp strides over groups, issuing the next group's loads before this group's math ---------------
+// --- kernels: grid (groups of WARPS * K blocks, messages), capped: each warp strides over groups,
+// issuing the next group's loads before this group's math (not INT6 decode) -----------------------
 
 // 4 warps per CTA and at most 72 registers, so that 7 CTAs (28 warps) fit on an SM: the next group's
 // input waits in shared memory (dynamic: 8 or 16 KB per CTA), not in registers
@@ -801,7 +792,7 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
     }
     const bool more = first < nbs - step;
     const int next = first + (more ? step : 0);
-    staged = PREFETCH && more && next + K <= whole;
+    staged = more && next + K <= whole;
     if (staged) {
       if (f32) stage_group<true>(st, lane, after, x, base + (long long)next * B);
       else stage_group<false>(st, lane, after, x, base + (long long)next * B);
@@ -1014,7 +1005,7 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
     static int per_sm[2] = {};                                       // 16-bit, fp32 input
     if (!per_sm[f32] && !capturing(st)) per_sm[f32] = resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, staged);
     const int cap = 2 * (per_sm[f32] ? per_sm[f32] : ENC_CTAS);       // ~2 waves
-    const dim3 g(grid(blocks, K, PREFETCH, cap, M, EW), M);
+    const dim3 g(grid(blocks, K, true, cap, M, EW), M);
     encode_kernel<FMT, ROT, SCALE><<<g, 32 * EW, staged, st>>>(x, dt, n, p, (uint8_t*)out);
   } else if (op == Op::Decode) {
     decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, decode_ahead<FMT>(), 8, M), M), 32 * WARPS, 0, st>>>(

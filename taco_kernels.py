@@ -45,8 +45,8 @@ def load(verbose=False):
     if _EXT is not None:
         return _EXT
     from torch.utils.cpp_extension import load as jit_load
-    # TACO_NVCC_FLAGS: extra nvcc flags for kernel work, e.g. "-lineinfo" (ncu source view) or
-    # "-DTACO_K=2"; each set of flags gets its own build directory and module name
+    # TACO_NVCC_FLAGS: extra nvcc flags for kernel work, e.g. "-lineinfo" (ncu source view);
+    # each set of flags gets its own build directory and module name
     extra = os.environ.get("TACO_NVCC_FLAGS", "").split()
     tag = "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
     build = os.path.join(_HERE, "build", "taco_kernels" + tag)
