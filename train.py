@@ -24,6 +24,7 @@ import checkpoint
 import config
 import data_parallel
 import parallel
+import runlog
 import taco
 import taco_kernels
 from data.loader import Batches
@@ -292,39 +293,6 @@ def evaluate(r, it):
     return out
 
 
-def step_line(r, it, mean, lr, dt, tokens, flops):
-    """The rank-0 line of a log step, and its log.jsonl record."""
-    mfu = 100 * flops / (dt * r.grid.world * r.cfg["peak_flops"]) if r.use_cuda else None
-    line = f"step {it + 1:6d} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
-    if mfu is not None:
-        line += f" | mfu {mfu:5.1f}%"
-    for name, s, on in (("tp", r.comm.stats, r.grid.tp > 1), ("pp", r.pp_stats, r.grid.pp > 1),
-                        ("dp", r.dp_stats, r.grid.dp > 1)):
-        if on:              # this rank's bytes on the wire, and how much less than uncompressed
-            line += f" | {name}{f' {s.calls:3d} ar' if name == 'tp' else ''} {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}"
-    mem = None
-    if r.use_cuda:                  # the peak GPU memory of the run so far, the largest of any rank
-        mem = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30], device=r.dev)
-        if r.grid.world > 1:
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-        mem = mem.item()
-        line += f" | mem {mem:5.1f} GiB"
-    record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu, peak_mem_gib=mem)
-    for name, s in (("tp", r.comm.stats), ("dp", r.dp_stats), ("pp", r.pp_stats)):
-        record.update({f"{name}_wire_bytes": s.wire_bytes, f"{name}_ratio": s.ratio})
-    return line, record
-
-
-def write_trace(r, prof, steps, seconds):
-    """The profiled steps' CUDA kernel timeline of this rank (chrome trace, gzipped: chrome://tracing,
-    or bench.py e2e / lab.analysis trace-report read it), and on rank 0 profile.json."""
-    os.makedirs(r.cfg["out_dir"], exist_ok=True)
-    prof.export_chrome_trace(os.path.join(r.cfg["out_dir"], f"trace_rank{r.grid.rank}.json.gz"))
-    if r.grid.rank == 0:
-        with open(os.path.join(r.cfg["out_dir"], "profile.json"), "w") as f:
-            json.dump({"steps": steps, "wall_ms_per_step": 1000 * seconds / steps}, f)
-
-
 def start(argv):
     """The resolved, checked settings (or the process ends with the reason), and out_dir claimed."""
     try:
@@ -334,22 +302,6 @@ def start(argv):
         raise SystemExit(f"config error: {e}")
     checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
     return c
-
-
-def open_log(r):
-    """Rank 0's log.jsonl: the resolved config first; on resume the records after the resumed
-    iteration (a run that went on past its last checkpoint) are dropped, so no step appears twice."""
-    path = os.path.join(r.cfg["out_dir"], "log.jsonl")
-    os.makedirs(r.cfg["out_dir"], exist_ok=True)
-    kept = []
-    if r.resumed_from and os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line).get("iter", 0) <= r.it0]
-    f = open(path, "w")
-    f.writelines(kept)
-    f.write(json.dumps({"config": r.cfg, "run_id": r.run_id, "resumed_from": r.resumed_from, "iter0": r.it0,
-                        "tp_auto": r.tp_auto}) + "\n")
-    return f
 
 
 def main(argv=None, model_hook=None):
@@ -377,14 +329,7 @@ def main(argv=None, model_hook=None):
 def train(r):
     c, grid, master = r.cfg, r.grid, r.grid.rank == 0
     if master:
-        print("config:", json.dumps(c, sort_keys=True))
-        print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {r.dev} | {r.dtype}")
-        if r.resumed_from:
-            print(f"resumed from {r.resumed_from} (iteration {r.it0}, run {r.run_id})")
-        if r.tp_auto:
-            print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
-        print(f"model: {r.model.num_params() / 1e6:.2f} M parameters (non-embedding), "
-              f"{r.model.num_params(False) / 1e6:.2f} M in all")
+        runlog.banner(r)
     tokens = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] * grid.dp
     flops = (6 * r.model.num_params() + 12 * c["n_layer"] * c["n_embd"] * c["block_size"]) * tokens
     bar = jlog = None
@@ -393,7 +338,7 @@ def train(r):
         bar = tqdm(total=c["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False)
     log = bar.write if bar is not None else print
     if master:
-        jlog = open_log(r)                                  # machine-readable log
+        jlog = runlog.open_log(r)                                  # machine-readable log
     record = lambda kv: jlog and (jlog.write(json.dumps(kv) + "\n"), jlog.flush())
     t0, loss_sum, nsum, prof = time.time(), 0.0, 0, None
     for it in range(r.it0, c["max_iters"]):
@@ -420,7 +365,7 @@ def train(r):
         if logging:
             if r.use_cuda:
                 torch.cuda.synchronize()
-            line, rec = step_line(r, it, mean, lr, (time.time() - t0) / nsum, tokens, flops)
+            line, rec = runlog.step_line(r, it, mean, lr, (time.time() - t0) / nsum, tokens, flops)
             if master:
                 log(line)
                 record(rec)
@@ -438,7 +383,7 @@ def train(r):
     if prof is not None:
         torch.cuda.synchronize()
         prof.stop()
-        write_trace(r, prof, c["max_iters"] - it_prof, time.time() - t_prof)
+        runlog.write_trace(r, prof, c["max_iters"] - it_prof, time.time() - t_prof)
     if c["sample_tokens"] > 0:
         from sample import print_sample
         print_sample(r.model, c["sample_prompt"], c["sample_tokens"], r.grid, c["seed"], r.autocast)
