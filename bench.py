@@ -9,6 +9,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
 """
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -50,7 +51,7 @@ def save(name, rows, **extra):
     path = os.path.join(RESULTS, f"{name}.json")
     with open(path, "w") as f:
         json.dump({"env": environment(), **extra, "rows": rows}, f, indent=1)
-    print(f"wrote {path}")
+    print("wrote", os.path.relpath(path, ROOT) if path.startswith(ROOT) else path)
 
 
 def table(rows, cols):
@@ -193,13 +194,61 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
 OVERLAP_SHAPES = {   # name: (tokens, width C, TP size): one rank's MLP fc backward (input gradient T x C)
     "gpt1b tp2": (16384, 2048, 2), "gpt2s tp2": (16384, 768, 2), "gpt2s tp8": (16384, 768, 8),
     "gpt7b tp2": (16384, 4096, 2), "gpt7b tp8": (16384, 4096, 8)}
-# how the pair is issued: which goes first, stream priorities (grids capped at N CTAs were measured
-# too, with the kernels of commit 0d5a585, and lost everywhere: docs/RESULTS.md)
+# how the pair is issued: which goes first, stream priorities, the matmul split; and SM partitions:
+# the codec on a green context of k SMs (torch.cuda.green_contexts), the matmul told to target all
+# but k (cuBLASLt's SM count target: torch._C._set_sm_carveout_experimental), or both. (Grids capped
+# at N CTAs, with the kernels of commit 0d5a585, lost everywhere: docs/RESULTS.md.)
 OVERLAP_VARIANTS = [("codec first", dict(first="codec")),
                     ("codec first, its stream high priority", dict(first="codec", codec_prio=-1)),
                     ("matmul first", dict(first="matmul")),
                     ("matmul first, its stream high priority", dict(first="matmul", mm_prio=-1)),
                     ("matmul in two halves, codec after the first", dict(first="split"))]
+OVERLAP_VARIANTS += [(f"codec on {k} SMs (green context)", dict(first="codec", codec_sms=k)) for k in (8, 16, 32)]
+OVERLAP_VARIANTS += [(f"matmul targets all but {k} SMs (cuBLASLt)", dict(first="codec", carve=k)) for k in (8, 16, 32)]
+OVERLAP_VARIANTS += [(f"codec on {k} SMs, matmul on the rest", dict(first="codec", codec_sms=k, carve=k))
+                     for k in (8, 16, 32)]
+_GREEN = {}
+
+
+@contextlib.contextmanager
+def _codec_on(k):
+    """Kernels issued inside run on k SMs only: on a stream of a green context of k SMs, after the
+    current stream's work and before its next (k None: where they are)."""
+    if not k:
+        yield
+        return
+    if k not in _GREEN:
+        _GREEN[k] = torch.cuda.green_contexts.GreenContext.create(num_sms=k)
+    gc, here = _GREEN[k], torch.cuda.current_stream()
+    if hasattr(gc, "Stream"):                        # torch >= 2.12: the context's own stream
+        s = _GREEN.setdefault((k, "stream"), gc.Stream())
+        s.wait_stream(here)
+        with torch.cuda.stream(s):
+            yield
+        here.wait_stream(s)
+    else:                                            # torch 2.10-2.11: the context made current
+        (getattr(gc, "set_context", None) or gc.make_current)()   # its default stream waits for `here`
+        try:
+            yield
+        finally:
+            (getattr(gc, "pop_context", None) or gc.pop_current)()  # and `here` for it
+
+
+@contextlib.contextmanager
+def _matmul_on(carve):
+    """Matmuls issued inside go through cuBLASLt, told to use all SMs but `carve` (None: as usual;
+    0: cuBLASLt on every SM)."""
+    if carve is None:
+        yield
+        return
+    lib = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    torch._C._set_sm_carveout_experimental(carve or None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library(lib)
 
 
 def bench_overlap(codecs=("hint8", "hint6", "taco"), shapes=tuple(OVERLAP_SHAPES), tag="overlap", iters=20):
@@ -230,6 +279,14 @@ def bench_overlap(codecs=("hint8", "hint6", "taco"), shapes=tuple(OVERLAP_SHAPES
                                                      "codec alone us": f"{alone_cd:.1f}"})
             rows.append(dict(base, variant="one after the other", **{"pair us": f"{serial:.1f}",
                              "vs matmul": f"{serial / alone_mm:.2f}x", "vs serial": "1.00x"}))
+            for name, fn in ([("alone: matmul through cuBLASLt", lambda: _alone(mm[0], carve=0))] +
+                             [(f"alone: matmul, all but {k} SMs (cuBLASLt)", lambda k=k: _alone(mm[0], carve=k))
+                              for k in (8, 16, 32)] +
+                             [(f"alone: codec on {k} SMs (green context)", lambda k=k: _alone(codec_kernels, k))
+                              for k in (8, 16, 32)]):
+                t_alone = device_time(fn)
+                rows.append(dict(base, variant=name, **{"pair us": f"{t_alone:.1f}",
+                                 "vs matmul": f"{t_alone / alone_mm:.2f}x", "vs serial": "-"}))
             for name, v in OVERLAP_VARIANTS:
                 pair = _overlap_pair(mm if v["first"] != "split" else halves, codec_kernels, iters, **v)
                 rows.append(dict(base, variant=name, **{"pair us": f"{pair:.1f}", "vs matmul": f"{pair / alone_mm:.2f}x",
@@ -238,11 +295,17 @@ def bench_overlap(codecs=("hint8", "hint6", "taco"), shapes=tuple(OVERLAP_SHAPES
     table(rows, ["shape", "codec", "variant", "matmul alone us", "codec alone us", "pair us", "vs matmul", "vs serial"])
 
 
-def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0):
+def _alone(fn, codec_sms=None, carve=None):
+    with _codec_on(codec_sms), _matmul_on(carve):
+        fn()
+
+
+def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0, codec_sms=None, carve=None):
     """Median microseconds from a common start until both the matmul (one or two calls on the
     matmul stream) and the codec kernels (a side stream) are done, issued in the given order
     (`split`: the codec after the first of two matmul halves). Both wait behind a sleep kernel
-    until everything is queued, so the host's launch time does not count."""
+    until everything is queued, so the host's launch time does not count. codec_sms, carve: the SM
+    partitions (_codec_on, _matmul_on)."""
     mm_stream, cd_stream = torch.cuda.Stream(priority=mm_prio), torch.cuda.Stream(priority=codec_prio)
     spans = []
     for i in range(iters + 3):
@@ -252,16 +315,16 @@ def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0)
             torch.cuda._sleep(20_000_000)            # holds both streams while the host queues the pair
             start.record()
         cd_stream.wait_event(start)
-        with torch.cuda.stream(mm_stream):
+        with torch.cuda.stream(mm_stream), _matmul_on(carve):
             if first == "matmul":
                 matmuls[0]()
             elif first == "split":
                 matmuls[0]()
                 half.record(mm_stream)
                 cd_stream.wait_event(half)           # the codec starts once the first half is done
-        with torch.cuda.stream(cd_stream):
+        with torch.cuda.stream(cd_stream), _codec_on(codec_sms):
             codec_kernels()
-        with torch.cuda.stream(mm_stream):
+        with torch.cuda.stream(mm_stream), _matmul_on(carve):
             for m in matmuls[1:] if first == "split" else matmuls if first == "codec" else []:
                 m()
             mm_stream.wait_stream(cd_stream)
