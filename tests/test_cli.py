@@ -262,10 +262,12 @@ def test_kernel_watch_loop_reruns_in_a_fresh_child_at_every_save(tmp_path):
         return 0 if src.read_text() != "v1" else 2     # the edit "v1" breaks a test
 
     def edit():
-        for v in ("v1", "v2"):
+        for v in ("v1", "v2"):                             # each save whole (a new file put in place)
             time.sleep(1.0)
-            src.write_text(v)
-            os.utime(src, ns=(time.time_ns(), time.time_ns() + 10 ** 9 * int(v[1])))   # a new mtime each save
+            tmp = tmp_path / "k.cu.new"
+            tmp.write_text(v)
+            os.utime(tmp, ns=(time.time_ns(), time.time_ns() + 10 ** 9 * int(v[1])))   # a new mtime each save
+            os.replace(tmp, src)
     t = threading.Thread(target=edit)
     t.start()
     watch(["strided"], run=run, sources=[str(src)], poll=0.02, rounds=3)

@@ -239,7 +239,9 @@ def watch(names, run=run_selected, sources=KERNEL_SOURCES, poll=0.1, rounds=None
         done += 1
         while (rounds is None or done < rounds) and stamp() == seen:
             time.sleep(poll)
-        seen = stamp()
+        while stamp() != seen:                                  # until the save is written out
+            seen = stamp()
+            time.sleep(poll)
 
 
 if __name__ == "__main__":
