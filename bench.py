@@ -217,11 +217,11 @@ def _codec_on(k):
     if not k:
         yield
         return
-    if k not in _GREEN:
-        _GREEN[k] = torch.cuda.green_contexts.GreenContext.create(num_sms=k)
-    gc, here = _GREEN[k], torch.cuda.current_stream()
-    if hasattr(gc, "Stream"):                        # torch >= 2.12: the context's own stream
-        s = _GREEN.setdefault((k, "stream"), gc.Stream())
+    if k not in _GREEN:                              # the context and, torch >= 2.12, its own stream
+        gc = torch.cuda.green_contexts.GreenContext.create(num_sms=k)
+        _GREEN[k] = gc, gc.Stream() if hasattr(gc, "Stream") else None
+    (gc, s), here = _GREEN[k], torch.cuda.current_stream()
+    if s is not None:
         s.wait_stream(here)
         with torch.cuda.stream(s):
             yield

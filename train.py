@@ -338,7 +338,7 @@ def train(r):
         bar = tqdm(total=c["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False)
     log = bar.write if bar is not None else print
     if master:
-        jlog = runlog.open_log(r)                                  # machine-readable log
+        jlog = runlog.open_log(r)                           # machine-readable log
     record = lambda kv: jlog and (jlog.write(json.dumps(kv) + "\n"), jlog.flush())
     t0, loss_sum, nsum, prof = time.time(), 0.0, 0, None
     for it in range(r.it0, c["max_iters"]):
