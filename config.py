@@ -17,7 +17,11 @@ import taco
 from data.loader import check_tokens
 from model import GPTConfig
 
-ConfigError = parallel.ConfigError
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; raised before any work starts, names the fix."""
+
+
 CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
            "schedule": parallel.SCHEDULES, "tp_transport": taco.TRANSPORTS}
 AT_LEAST = {1: ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
@@ -164,12 +168,41 @@ def check_values(cfg):
                               f"(the lab's tahquant: launch with -m lab.tahquant instead of train.py)")
 
 
+def check_layout(tp, pp, world, dp=None, n_head=None, n_embd=None, vocab_size=None, n_layer=None,
+                 schedule="1f1b"):
+    """Refuse layouts that cannot work, with a message naming the fix (dp: derived when None).
+    Returns dp. Pure function (testable)."""
+    for name, v in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
+        if not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} must be a positive integer")
+    if world % (tp * pp) or (dp is not None and tp * pp * dp != world):
+        raise ConfigError(f"the world size {world} is not tp*pp*dp (tp={tp}, pp={pp}, dp={dp or 'derived'}): "
+                          f"launch a multiple of tp*pp = {tp * pp} processes (torchrun --nproc_per_node=N) "
+                          f"or change tp/pp")
+    if n_layer is not None and n_layer % pp:
+        raise ConfigError(f"n_layer={n_layer} is not divisible by pp={pp}: every pipeline stage gets the "
+                          f"same number of blocks; pick pp from the divisors of n_layer")
+    if n_head is not None and n_head % tp:
+        raise ConfigError(f"n_head={n_head} is not divisible by tp={tp}: each TP rank must own whole "
+                          f"attention heads; pick tp from the divisors of n_head")
+    if n_embd is not None and n_embd % tp:
+        raise ConfigError(f"n_embd={n_embd} is not divisible by tp={tp}")
+    if n_embd is not None and n_head is not None and n_embd % n_head:
+        raise ConfigError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+    if vocab_size is not None and vocab_size % tp:
+        raise ConfigError(f"the padded vocabulary ({vocab_size}) is not divisible by tp={tp}; "
+                          f"use a power-of-two tp (the vocabulary is padded to a multiple of 128)")
+    if schedule not in parallel.SCHEDULES:
+        raise ConfigError(f"schedule={schedule!r}: choose {' or '.join(parallel.SCHEDULES)}")
+    return world // (tp * pp)
+
+
 def check(cfg, world, local_world=None):
     """Everything that can be refused before launch: values, layout, devices, data files."""
     check_values(cfg)
     mc = GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])
-    dp = parallel.check_layout(cfg["tp"], cfg["pp"], world, None, mc.n_head, mc.n_embd, mc.padded_vocab,
-                               mc.n_layer, cfg["schedule"])
+    dp = check_layout(cfg["tp"], cfg["pp"], world, None, mc.n_head, mc.n_embd, mc.padded_vocab,
+                      mc.n_layer, cfg["schedule"])
     local_world = local_world or world
     if local_world % cfg["tp"]:
         raise ConfigError(f"tp={cfg['tp']} does not divide the {local_world} processes of a node (LOCAL_WORLD_SIZE): "

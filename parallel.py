@@ -31,9 +31,7 @@ Data parallelism is in data_parallel.py.
 import datetime
 import math
 import os
-import signal
 import socket
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -43,10 +41,6 @@ import torch.nn.functional as F
 import taco
 
 SCHEDULES = ("1f1b", "gpipe")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; raised before any work starts, names the fix."""
 
 
 # -----------------------------------------------------------------------------
@@ -66,7 +60,7 @@ class Grid:
     pp_group: object = None
     dp_group: object = None
     tied_group: object = None     # first and last pipeline stage of this (dp, tp) position (tied wte)
-    procs: list = field(default_factory=list)    # (host, pid) of every rank (stop_stalled)
+    procs: list = field(default_factory=list)    # (host, pid) of every rank (watchdog.py)
 
     @property
     def last_stage_rank(self):
@@ -74,41 +68,14 @@ class Grid:
         return self.rank + (self.pp - 1 - self.pp_rank) * self.tp
 
 
-def check_layout(tp, pp, world, dp=None, n_head=None, n_embd=None, vocab_size=None, n_layer=None,
-                 schedule="1f1b"):
-    """Refuse layouts that cannot work, with a message naming the fix (dp: derived when None).
-    Returns dp. Pure function (testable)."""
-    for name, v in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
-        if not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}={v!r} must be a positive integer")
-    if world % (tp * pp) or (dp is not None and tp * pp * dp != world):
-        raise ConfigError(f"the world size {world} is not tp*pp*dp (tp={tp}, pp={pp}, dp={dp or 'derived'}): "
-                          f"launch a multiple of tp*pp = {tp * pp} processes (torchrun --nproc_per_node=N) "
-                          f"or change tp/pp")
-    if n_layer is not None and n_layer % pp:
-        raise ConfigError(f"n_layer={n_layer} is not divisible by pp={pp}: every pipeline stage gets the "
-                          f"same number of blocks; pick pp from the divisors of n_layer")
-    if n_head is not None and n_head % tp:
-        raise ConfigError(f"n_head={n_head} is not divisible by tp={tp}: each TP rank must own whole "
-                          f"attention heads; pick tp from the divisors of n_head")
-    if n_embd is not None and n_embd % tp:
-        raise ConfigError(f"n_embd={n_embd} is not divisible by tp={tp}")
-    if n_embd is not None and n_head is not None and n_embd % n_head:
-        raise ConfigError(f"n_embd={n_embd} is not divisible by n_head={n_head}")
-    if vocab_size is not None and vocab_size % tp:
-        raise ConfigError(f"the padded vocabulary ({vocab_size}) is not divisible by tp={tp}; "
-                          f"use a power-of-two tp (the vocabulary is padded to a multiple of 128)")
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"schedule={schedule!r}: choose {' or '.join(SCHEDULES)}")
-    return world // (tp * pp)
-
-
 def init_grid(tp=1, pp=1, backend=None, timeout=None):
     """Read torchrun's environment, init the default process group and build the TP/PP/DP groups.
     Without torchrun (no WORLD_SIZE) this is a single process and no group is created. A collective
     that waits longer than `timeout` seconds for a stalled rank raises (gloo) or aborts (NCCL)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = check_layout(tp, pp, world)
+    if world % (tp * pp):                     # config.check_layout says more, before launch
+        raise ValueError(f"the world size {world} is not a multiple of tp*pp = {tp * pp}")
+    dp = world // (tp * pp)
     if world == 1 and not dist.is_initialized():
         return Grid(tp=tp, pp=pp, dp=dp)
     timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
@@ -133,32 +100,6 @@ def init_grid(tp=1, pp=1, backend=None, timeout=None):
     grid.procs = [None] * world
     dist.all_gather_object(grid.procs, (socket.gethostname(), os.getpid()))
     return grid
-
-
-def stop_stalled(grid, wait=2.0):
-    """After a collective timed out: the ranks that do not answer, stopped. Every rank still
-    running checks in through the process group's store; a rank still missing after `wait` seconds
-    is stalled, and one on this host is killed now (torchrun would wait 30 s for a stopped process
-    to end itself), so the job ends within timeout + wait. Returns the stalled ranks and which of
-    them were stopped."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"nanotaco/alive/{grid.rank}", "1")
-        deadline, missing = time.time() + wait, []
-        while time.time() < deadline:
-            missing = [r for r in range(grid.world) if not store.check([f"nanotaco/alive/{r}"])]
-            if not missing:
-                break
-            time.sleep(0.1)
-    except Exception:                      # no store to ask (it went down with its host): name nobody
-        return [], []
-    stopped = [r for r in missing if grid.procs[r][0] == socket.gethostname()]
-    for r in stopped:
-        try:
-            os.kill(grid.procs[r][1], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return missing, stopped
 
 
 # -----------------------------------------------------------------------------

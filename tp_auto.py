@@ -76,11 +76,15 @@ def measure(comm, numel, in_features, dtype, device, codecs, reps=7):
 
 
 def choose(comm, numel, in_features, dtype, device, bits=8):
-    """The codecs for comm's two directions (set on comm) and the timings they came from."""
+    """The codecs for comm's directions set to "auto" (set on comm; a direction given explicitly
+    stays) and the timings they came from."""
+    auto = [d for d in ("fwd", "bwd") if getattr(comm, f"{d}_codec") == "auto"]
     if device.type != "cuda" or comm.size == 1 or numel * torch.finfo(dtype).bits // 8 < comm.min_bytes:
-        comm.fwd_codec = comm.bwd_codec = "none"
-        return {"fwd": "none", "bwd": "none", "why": "no GPU, one rank, or messages under taco_min_bytes"}
-    times = measure(comm, numel, in_features, dtype, device, CANDIDATES[bits])
-    picked = decide(times)
-    comm.fwd_codec, comm.bwd_codec = picked["fwd"], picked["bwd"]
-    return {**picked, "ms": {d: {c: round(1e3 * s, 3) for c, s in t.items()} for d, t in times.items()}}
+        picked, out = {"fwd": "none", "bwd": "none"}, {"why": "no GPU, one rank, or messages under taco_min_bytes"}
+    else:
+        times = measure(comm, numel, in_features, dtype, device, CANDIDATES[bits])
+        picked = decide(times)
+        out = {"ms": {d: {c: round(1e3 * s, 3) for c, s in t.items()} for d, t in times.items()}}
+    for d in auto:
+        setattr(comm, f"{d}_codec", picked[d])
+    return {**picked, **out}

@@ -27,6 +27,7 @@ import parallel
 import runlog
 import taco
 import taco_kernels
+import watchdog
 from data.loader import Batches
 from model import GPT, GPTConfig
 
@@ -171,13 +172,10 @@ def setup(cfg, model_hook=None):
                            sp=c["sequence_parallel"], transport=c["tp_transport"],
                            site_codecs={"attn": c["tp_codec_attn"], "mlp": c["tp_codec_mlp"]})
     auto = None
-    if "auto" in (c["tp_codec"], c["tp_codec_bwd"]):                  # timed on this group and link
+    if "auto" in (comm.fwd_codec, comm.bwd_codec):                  # timed on this group and link
         import tp_auto
         auto = tp_auto.choose(comm, c["batch_size"] * c["block_size"] * c["n_embd"], c["n_embd"], ptdtype, dev,
                               c["tp_auto_bits"])
-        for d, k in (("fwd", "tp_codec"), ("bwd", "tp_codec_bwd")):
-            if c[k] not in ("", "auto"):                            # a direction given explicitly stays so
-                setattr(comm, f"{d}_codec", c[k])
     mcfg = GPTConfig(block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
                      dropout=c["dropout"], bias=c["bias"])
     model = GPT(mcfg, comm, seed=c["seed"], stage=grid.pp_rank, stages=grid.pp)
@@ -298,7 +296,7 @@ def start(argv):
     try:
         c = config.parse(DEFAULTS, argv)
         config.check(c, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except parallel.ConfigError as e:
+    except config.ConfigError as e:
         raise SystemExit(f"config error: {e}")
     checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
     return c
@@ -312,15 +310,10 @@ def main(argv=None, model_hook=None):
     r = setup(c, model_hook)
     try:
         train(r)
-    except RuntimeError as e:                            # gloo: "Timed out ...", NCCL: DistBackendError
-        if "timed out" not in str(e).lower() and not isinstance(e, dist.DistBackendError):
+    except RuntimeError as e:
+        if not watchdog.timed_out(e):
             raise
-        stalled, stopped = parallel.stop_stalled(r.grid)
-        names = lambda ranks: ", ".join(map(str, ranks)) or "none"
-        who = "another rank died" if not stalled else f"rank {names(stalled)} did not answer" + (
-            " and was stopped" if stopped == stalled else f" (stopped on this host: {names(stopped)})")
-        raise SystemExit(f"rank {r.grid.rank}: a collective did not complete within timeout={c['timeout']} s: "
-                         f"{who} ({str(e).splitlines()[0]})") from None
+        raise SystemExit(watchdog.stalled_exit(r.grid, c["timeout"], e)) from None
     if r.grid.world > 1:
         dist.barrier()
         dist.destroy_process_group()

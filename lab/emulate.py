@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import parallel
+import config
 import taco
 import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
@@ -191,7 +191,7 @@ def emulate_tp(model, t, comm, sites=None):
     parse_sites; None: as the model's layers say) narrows or changes the codec per site. The
     parameters stay the same objects (the tied head stays tied)."""
     if comm.size != 1 or comm.sp:
-        raise parallel.ConfigError("TP emulation runs on a TP=1 model without sequence parallelism")
+        raise config.ConfigError("TP emulation runs on a TP=1 model without sequence parallelism")
     swap = {ColumnParallelLinear: EmulatedColumn, RowParallelLinear: EmulatedRow, VocabParallelEmbedding: EmulatedEmbedding}
     for name, child in list(model.named_modules()):
         if type(child) in swap:
@@ -242,9 +242,9 @@ def check(cfg, t):
         raise SystemExit(f"config error: TP={t} emulation runs on one process: tp=1, pp=1, taco_chunks=1, "
                          f"no sequence_parallel")
     try:
-        parallel.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"],
+        config.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"],
                               vocab_size=GPTConfig().padded_vocab, n_layer=cfg["n_layer"])
-    except parallel.ConfigError as e:
+    except config.ConfigError as e:
         raise SystemExit(f"config error: TP={t} emulated: {e}")
 
 

@@ -5,6 +5,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import config
 import data_parallel
 import parallel
 import taco
@@ -234,8 +235,8 @@ def test_site_codecs_apply_to_their_block_part():
     (dict(tp=1, pp=2, world=2, schedule="zigzag"), "schedule='zigzag': choose 1f1b or gpipe"),
 ])
 def test_bad_layouts_are_refused(kw, message):
-    with pytest.raises(parallel.ConfigError, match=message):
-        parallel.check_layout(**kw)
+    with pytest.raises(config.ConfigError, match=message):
+        config.check_layout(**kw)
 
 
 # --- data parallelism -----------------------------------------------------------------------------

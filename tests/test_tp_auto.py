@@ -37,9 +37,12 @@ def test_measure_gives_every_rank_the_same_timings():
 
 
 def test_auto_without_gpus_is_none_and_is_a_valid_setting():
-    comm = comm_for(0, 1)
+    comm = comm_for(0, 1, fwd_codec="auto", bwd_codec="auto")
     decision = tp_auto.choose(comm, 1 << 20, 64, torch.float32, torch.device("cpu"))
     assert (comm.fwd_codec, comm.bwd_codec) == ("none", "none") and "no GPU" in decision["why"]
+    comm = comm_for(0, 1, fwd_codec="auto", bwd_codec="hint6")       # a direction given explicitly stays
+    tp_auto.choose(comm, 1 << 20, 64, torch.float32, torch.device("cpu"))
+    assert (comm.fwd_codec, comm.bwd_codec) == ("none", "hint6")
     config.check(config.parse(train.DEFAULTS, ["--tp_codec=auto", "--tp_auto_bits=6"]), 1)
     with pytest.raises(config.ConfigError, match="tp_auto_bits=4"):
         config.check(config.parse(train.DEFAULTS, ["--tp_codec=auto", "--tp_auto_bits=4"]), 1)

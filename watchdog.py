@@ -1,0 +1,53 @@
+"""
+When a rank stops answering. A collective that waits longer than --timeout seconds raises (gloo:
+"Timed out ...", NCCL: DistBackendError); train.main then asks `stalled_exit` for the message the
+job ends with: the ranks that did not answer are named, and those on this host stopped, so that the
+whole job ends within timeout + 2 s instead of hanging (docs/RELIABILITY.md).
+"""
+import os
+import signal
+import socket
+import time
+
+import torch.distributed as dist
+
+
+def timed_out(e):
+    """Whether exception e is a collective's timeout (or NCCL's abort after one)."""
+    return "timed out" in str(e).lower() or isinstance(e, dist.DistBackendError)
+
+
+def stop_stalled(grid, wait=2.0):
+    """After a collective timed out: the ranks that do not answer, stopped. Every rank still
+    running checks in through the process group's store; a rank still missing after `wait` seconds
+    is stalled, and one on this host is killed now (torchrun would wait 30 s for a stopped process
+    to end itself), so the job ends within timeout + wait. Returns the stalled ranks and which of
+    them were stopped."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"nanotaco/alive/{grid.rank}", "1")
+        deadline, missing = time.time() + wait, []
+        while time.time() < deadline:
+            missing = [r for r in range(grid.world) if not store.check([f"nanotaco/alive/{r}"])]
+            if not missing:
+                break
+            time.sleep(0.1)
+    except Exception:                      # no store to ask (it went down with its host): name nobody
+        return [], []
+    stopped = [r for r in missing if grid.procs[r][0] == socket.gethostname()]
+    for r in stopped:
+        try:
+            os.kill(grid.procs[r][1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return missing, stopped
+
+
+def stalled_exit(grid, timeout, e):
+    """The SystemExit message after collective error e: who stalled, and who was stopped."""
+    stalled, stopped = stop_stalled(grid)
+    names = lambda ranks: ", ".join(map(str, ranks)) or "none"
+    who = "another rank died" if not stalled else f"rank {names(stalled)} did not answer" + (
+        " and was stopped" if stopped == stalled else f" (stopped on this host: {names(stopped)})")
+    return (f"rank {grid.rank}: a collective did not complete within timeout={timeout} s: {who} "
+            f"({str(e).splitlines()[0]})")
