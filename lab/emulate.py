@@ -243,7 +243,7 @@ def check(cfg, t):
                          f"no sequence_parallel")
     try:
         config.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                              vocab_size=GPTConfig().padded_vocab, n_layer=cfg["n_layer"])
+                            vocab_size=GPTConfig().padded_vocab, n_layer=cfg["n_layer"])
     except config.ConfigError as e:
         raise SystemExit(f"config error: TP={t} emulated: {e}")
 
