@@ -6,10 +6,12 @@ Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said 
     python -m lab.analysis sites                  # which all-reduces' compression moves the gradient (results/sites.json)
     python -m lab.analysis trace-report STEPS TRACE...   # where a step's GPU time goes (train.py --profile_steps)
     python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
+    python -m lab.analysis overlap-bound          # the codec-beside-matmul pair's SM-time bound (results/overlap_bound.json)
 """
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -248,6 +250,31 @@ def trace_report(path, steps):
 
 
 
+def overlap_bound(rows, sms=132):
+    """From bench.py overlap's rows: per (shape, codec), the least time the pair can take if the SMs
+    are split between the two kernels. Each one's cheapest measured SM-time (SMs x us: the codec alone
+    on all SMs or on a green context of k; the matmul on all or told to leave k free), summed and
+    spread over all SMs. Kernels sharing an SM can beat it only by using one SM's resources better
+    together than apart."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["shape"], r["codec"]), {})[r["variant"]] = float(r["pair us"])
+    out = []
+    for (shape, codec), v in by.items():
+        r0 = next(r for r in rows if (r["shape"], r["codec"]) == (shape, codec))
+        mm, cc = float(r0["matmul alone us"]), float(r0["codec alone us"])
+        codec_sm = min([sms * cc] + [int(m[1]) * t for n, t in v.items()
+                                     if (m := re.fullmatch(r"alone: codec on (\d+) SMs.*", n))])
+        mm_sm = min([sms * mm] + [(sms - int(m[1])) * t for n, t in v.items()
+                                  if (m := re.fullmatch(r"alone: matmul, all but (\d+) SMs.*", n))])
+        bound = (codec_sm + mm_sm) / sms
+        best = min(t for n, t in v.items() if not n.startswith("alone") and n != "one after the other")
+        out.append({"shape": shape, "codec": codec, "matmul us": f"{mm:.1f}", "codec us": f"{cc:.1f}",
+                    "bound us": f"{bound:.1f}", "bound vs matmul": f"{bound / mm:.2f}x",
+                    "best pair us": f"{best:.1f}", "best vs matmul": f"{best / mm:.2f}x"})
+    return out
+
+
 def curves(paths, out=os.path.join(RESULTS, "loss_curves.png")):
     """Training loss and tokens/s against step of any set of runs (their out_dir/log.jsonl)."""
     import matplotlib
@@ -292,6 +319,7 @@ def main(argv):
     c = sub.add_parser("curves", help="plot the loss and tokens/s of any runs' log.jsonl")
     c.add_argument("logs", nargs="+")
     c.add_argument("--out", default=os.path.join(RESULTS, "loss_curves.png"))
+    sub.add_parser("overlap-bound", help="the least time of the codec-beside-matmul pair on split SMs")
     a = ap.parse_args(argv)
     if a.what == "codecs":
         codec_errors()
@@ -306,6 +334,11 @@ def main(argv):
             table(rows, ["kind", "kernel ms", "busy ms", "beside compute", "exposed"])
             if calls:
                 table(calls, ["kernel", "beside compute", "calls/step", "mean us"])
+    elif a.what == "overlap-bound":
+        src = json.load(open(os.path.join(RESULTS, "overlap.json")))
+        rows = overlap_bound(src["rows"])
+        table(rows, list(rows[0]))
+        save("overlap_bound", rows, note=f"From results/overlap.json ({src['env']['date']}): " + " ".join(overlap_bound.__doc__.split()))
     else:
         curves(a.logs, a.out)
 

@@ -96,6 +96,18 @@ def test_kernel_time_by_kind_from_a_trace(tmp_path):
                                                   "comm: symm two-shot", "memcpy/memset"]
 
 
+def test_overlap_bound_takes_each_kernels_cheapest_sm_time():
+    """Matmul 100 us on 132 SMs (13,200 SM-us) or 110 us on 122 (13,420); codec 50 us on 132 (6,600)
+    or 400 us on 10 (4,000): at least (13,200 + 4,000) / 132 us on split SMs."""
+    row = lambda variant, us: {"shape": "s", "codec": "c", "matmul alone us": "100.0", "codec alone us": "50.0",
+                               "variant": variant, "pair us": str(us)}
+    rows = [row("one after the other", 150), row("codec first", 140), row("matmul first", 145),
+            row("alone: codec on 10 SMs (green context)", 400), row("alone: matmul, all but 10 SMs (cuBLASLt)", 110)]
+    (r,) = analysis.overlap_bound(rows)
+    assert r["bound us"] == f"{(13200 + 4000) / 132:.1f}" and r["bound vs matmul"] == "1.30x"
+    assert (r["best pair us"], r["best vs matmul"]) == ("140.0", "1.40x")
+
+
 @pytest.mark.slow
 def test_study_runner_is_cumulative(tmp_path):
     """lab.study run: one emulated-TP run per codec, two at a time, appended to the study file; a
