@@ -10,7 +10,8 @@ sha256; a resume checks both, so a file changed on disk or taken from another ru
 
 A FULL state dict is the single-rank model's (tp = pp = 1) names and shapes: merge() builds it
 from a set's shards, shard_into() slices one into a rank's model (the same slicing the model's
-initialisation uses). Hugging Face GPT-2 weights convert to and from it (hf_to_full, full_to_hf).
+initialisation uses). Hugging Face GPT-2 and Qwen2 folders convert to and from it, one tensor at a
+time (hf_read, from_hf, to_hf, save_hf).
 """
 import atexit
 import glob
@@ -26,7 +27,8 @@ import torch.distributed as dist
 
 from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "tp", "pp", "zero1")
+SHAPE_KEYS = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "block_size",
+              "bias", "tie_embeddings", "tp", "pp", "zero1")
 
 
 def claim(out_dir, resume, overwrite, rank0):
@@ -198,13 +200,13 @@ def resume(r):
         raise SystemExit(f"--resume: no complete checkpoint set under {c['out_dir']}/ckpt ({hint})")
     meta = read_complete(found[-1])
     ck = load_file(os.path.join(found[-1], shard_name(grid, c["zero1"])), meta, r.dev)
-    mine = (ck["iter"], [ck["config"].get(k) for k in SHAPE_KEYS])
+    mine = (ck["iter"], [ck["config"].get(k, c[k]) for k in SHAPE_KEYS])    # a key older sets lack: as now
     if grid.world > 1:
         every = [None] * grid.world
         dist.all_gather_object(every, mine)
         if any(e != mine for e in every):
             raise SystemExit(f"--resume: the ranks' checkpoint files disagree (iteration, model, layout): {every}")
-    wrong = [f"{k}={ck['config'].get(k)}" for k in SHAPE_KEYS if ck["config"].get(k) != c[k]]
+    wrong = [f"{k}={ck['config'][k]}" for k in SHAPE_KEYS if ck["config"].get(k, c[k]) != c[k]]
     if wrong:
         raise SystemExit(f"--resume: {found[-1]} was written with {', '.join(wrong)}; this run differs: "
                          f"pass those settings, or another --out_dir for a new run")
@@ -228,8 +230,8 @@ def _stage_and_local(name, n_layer, pp):
 
 def _unshard(mod, attr, parts):
     if isinstance(mod, ColumnParallelLinear):        # each rank holds its slice of every section
-        secs = [p.chunk(mod.parts, dim=0) for p in parts]
-        return torch.cat([torch.cat([s[i] for s in secs], dim=0) for i in range(mod.parts)], dim=0)
+        secs = [p.split([n // len(parts) for n in mod.sections], dim=0) for p in parts]
+        return torch.cat([torch.cat([s[i] for s in secs], dim=0) for i in range(len(mod.sections))], dim=0)
     return torch.cat(parts, dim=1 if isinstance(mod, RowParallelLinear) and attr == "weight" else 0)
 
 
@@ -245,119 +247,191 @@ def merge(folder):
             shards[t, p], cfg = ck["model"], ck["config"]
     mc = model_config(cfg)
     out = {}
-    full = GPT(mc)
+    full = GPT(mc, seed=None)
     for name, param in full.named_parameters():
         stage, local = _stage_and_local(name, mc.n_layer, pp)
         parts = [shards[t, stage][local] for t in range(tp)]
         prefix, attr = name.rsplit(".", 1)
         out[name] = _unshard(full.get_submodule(prefix), attr, parts) if getattr(param, "tp_split", False) else parts[0]
-    out["lm_head.weight"] = out["wte.weight"]                  # tied
+    if mc.tie_embeddings:
+        out["lm_head.weight"] = out["wte.weight"]
     return mc, out, cfg
 
 
 def model_config(cfg):
-    return GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                     n_embd=cfg["n_embd"], dropout=cfg.get("dropout", 0.0), bias=cfg["bias"])
+    return GPTConfig.from_settings(cfg)
 
 
 @torch.no_grad()
-def shard_into(model, full):
-    """Copy a full state dict into this rank's model (its stage's blocks, its TP slices)."""
+def shard_into(model, get):
+    """Copy a full model into this rank's model (its stage's blocks, its TP slices), one tensor at a
+    time: get(full name) gives it (a full state dict's __getitem__, or from_hf's reader)."""
     for name, param in model.named_parameters():
         g = name
         if name.startswith("h."):
             i, rest = name[2:].split(".", 1)
             g = f"h.{model.layers[int(i)]}.{rest}"
-        src = full[g]
-        prefix = name.rsplit(".", 1)[0]
-        mod = model.get_submodule(prefix)
-        param.copy_(mod.shard(src) if getattr(param, "tp_split", False) else src)
+        src = get(g)
+        mod = model.get_submodule(name.rsplit(".", 1)[0])
+        try:
+            mine = mod.shard(src) if getattr(param, "tp_split", False) else src
+        except RuntimeError:                        # sections that do not add up
+            mine = None
+        if mine is None or mine.shape != param.shape:
+            raise ValueError(f"{g}: the weights hold shape {tuple(src.shape)}, which does not fit this model "
+                             f"({model.config})")
+        param.copy_(mine)
 
 
 # -----------------------------------------------------------------------------
-# Hugging Face GPT-2 (GPT2LMHeadModel): Conv1D weights are (in, out), ours (out, in)
+# Hugging Face weights: GPT-2 (GPT2LMHeadModel) and Qwen2 (Qwen2ForCausalLM), in and out.
+# Our full name -> the Hugging Face names it is made of (several: concatenated along dim 0, the
+# fused [Q|K|V] and SwiGLU's [gate|up]); a block's names follow the family's block prefix.
 
-HF_LINEARS = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
-
-
-def hf_to_full(sd, mc):
-    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-    missing = [k for k in ("wte.weight", "wpe.weight", "ln_f.weight", f"h.{mc.n_layer - 1}.ln_1.weight") if k not in sd]
-    if missing or sd["wte.weight"].shape != (mc.vocab_size, mc.n_embd) or f"h.{mc.n_layer}.ln_1.weight" in sd:
-        n_layer = len({k.split(".")[1] for k in sd if k.startswith("h.")})
-        raise ValueError(f"the weights do not match the model: they have n_layer={n_layer}, wte "
-                         f"{tuple(sd['wte.weight'].shape) if 'wte.weight' in sd else 'missing'}; the config "
-                         f"asks n_layer={mc.n_layer}, n_embd={mc.n_embd}, vocabulary {mc.vocab_size}")
-    if sd["wpe.weight"].shape[0] < mc.block_size:
-        raise ValueError(f"the weights have {sd['wpe.weight'].shape[0]} positions; use block_size <= that")
-    full = {}
-    for k, v in sd.items():
-        if k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
-            continue                                     # causal-mask buffers; the head is tied to wte
-        for hf, ours in HF_LINEARS.items():
-            if f".{hf}." in k:
-                k, v = k.replace(hf, ours), (v.t() if k.endswith(".weight") else v)
-        full[k] = v.float().contiguous()
-    wte = torch.zeros(mc.padded_vocab, mc.n_embd)
-    wte[:mc.vocab_size] = full["wte.weight"]
-    full["wte.weight"], full["wpe.weight"] = wte, full["wpe.weight"][:mc.block_size].contiguous()
-    full["lm_head.weight"] = wte
-    return full
+HF_NAMES = {
+    "gpt2": ("transformer.h.{}.", {
+        "wte.weight": ["transformer.wte.weight"], "wpe.weight": ["transformer.wpe.weight"],
+        "ln_f.weight": ["transformer.ln_f.weight"], "ln_f.bias": ["transformer.ln_f.bias"],
+        **{f"{ours}.{p}": [f"{hf}.{p}"] for ours, hf in (("ln_1", "ln_1"), ("ln_2", "ln_2"), ("attn.qkv", "attn.c_attn"),
+           ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")) for p in ("weight", "bias")}}),
+    "qwen2": ("model.layers.{}.", {
+        "wte.weight": ["model.embed_tokens.weight"], "ln_f.weight": ["model.norm.weight"],
+        "lm_head.weight": ["lm_head.weight"], "ln_1.weight": ["input_layernorm.weight"],
+        "ln_2.weight": ["post_attention_layernorm.weight"], "attn.proj.weight": ["self_attn.o_proj.weight"],
+        **{f"attn.qkv.{p}": [f"self_attn.{x}_proj.{p}" for x in "qkv"] for p in ("weight", "bias")},
+        "mlp.fc.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.proj.weight": ["mlp.down_proj.weight"]}),
+}
+CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")   # GPT-2 keeps these (in, out)
 
 
-def full_to_hf(full, mc):
+def hf_names(name, mc):
+    block, table = HF_NAMES[mc.arch]
+    if name.startswith("h."):
+        i, rest = name[2:].split(".", 1)
+        return [block.format(i) + n for n in table[rest]]
+    return table[name]
+
+
+def hf_model_config(folder):
+    """The GPTConfig of a Hugging Face folder's config.json. Another family, or a Qwen2 variant this
+    model does not build (sliding windows, scaled rotary positions), is refused naming why."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder} has no config.json: not a Hugging Face model folder")
+    with open(path) as f:
+        hf = json.load(f)
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        return GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
+                         n_head=hf["n_head"], n_embd=hf["n_embd"], intermediate_size=hf.get("n_inner") or 0,
+                         norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+    if kind != "qwen2":
+        raise ValueError(f"{path}: model_type {kind!r} is not supported; the families read are gpt2 and qwen2")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}       # transformers 5.x, or 4.x's scaling
+    C, H = hf["hidden_size"], hf["num_attention_heads"]
+    why = [w for bad, w in ((rope.get("rope_type", rope.get("type", "default")) != "default", "scaled rotary positions"),
+                            (hf.get("use_sliding_window"), "sliding-window attention"),
+                            (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}"),
+                            (hf.get("head_dim", C // H) != C // H, "a head size other than hidden_size/heads")) if bad]
+    if why:
+        raise ValueError(f"{path}: this Qwen2 uses {', '.join(why)}, which the qwen2 family here does not build")
+    return GPTConfig(arch="qwen2", block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
+                     n_layer=hf["num_hidden_layers"], n_head=H, n_kv_head=hf.get("num_key_value_heads") or H,
+                     n_embd=C, intermediate_size=hf["intermediate_size"],
+                     rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                     norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", False))
+
+
+def hf_read(folder):
+    """read(name): one tensor of a Hugging Face folder's weights (model.safetensors, sharded safetensors
+    with model.safetensors.index.json, or pytorch_model.bin), read when asked. The files are memory-
+    mapped, so a 7B model is never whole in memory. GPT-2 names lacking "transformer." get it."""
+    from safetensors import safe_open
+    index, single, pt = (os.path.join(folder, n) for n in ("model.safetensors.index.json", "model.safetensors",
+                                                            "pytorch_model.bin"))
+    prefixed = lambda k: k if k.startswith(("transformer.", "model.", "lm_head.")) else "transformer." + k
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(single):
+        files = ["model.safetensors"]
+    elif os.path.isfile(pt):
+        sd = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+        return {prefixed(k): v for k, v in sd.items()}.__getitem__
+    else:
+        raise ValueError(f"{folder} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    where = {}
+    for name in files:
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise ValueError(f"{os.path.join(folder, name)} is missing (model.safetensors.index.json lists it)")
+        h = safe_open(os.path.join(folder, name), framework="pt")
+        where.update({prefixed(k): (h, k) for k in h.keys()})
+    return lambda name: where[name][0].get_tensor(where[name][1])
+
+
+def from_hf(read, mc):
+    """get(name): our full-model tensor `name` (fp32) made from the Hugging Face tensors read(hf_name)
+    gives, one at a time: fused layers concatenated, GPT-2's Conv1D weights transposed, the vocabulary
+    padded, GPT-2's positions cut to block_size. A tied head is the embedding."""
+    def get(name):
+        name = "wte.weight" if name == "lm_head.weight" and mc.tie_embeddings else name
+        parts = []
+        for n in hf_names(name, mc):
+            try:
+                t = read(n)
+            except KeyError:
+                raise ValueError(f"the weights have no {n} (for {name}): not a {mc.arch} model of this shape") from None
+            parts.append(t.t() if mc.arch == "gpt2" and name.endswith(CONV1D) else t)
+        t = torch.cat(parts).float()
+        if name in ("wte.weight", "lm_head.weight") and t.shape[0] == mc.vocab_size:
+            t = torch.cat([t, t.new_zeros(mc.padded_vocab - mc.vocab_size, t.shape[1])])
+        if name == "wpe.weight" and t.shape[0] >= mc.block_size:
+            t = t[:mc.block_size]
+        return t.contiguous()
+    return get
+
+
+def to_hf(full, mc):
+    """from_hf's inverse: the Hugging Face state dict of a full one (a tied head is not written)."""
     sd = {}
-    for k, v in full.items():
-        if k == "lm_head.weight":
+    for name, t in full.items():
+        if name == "lm_head.weight" and mc.tie_embeddings:
             continue
-        for hf, ours in HF_LINEARS.items():
-            if f".{ours}." in k:
-                k, v = k.replace(ours, hf), (v.t() if k.endswith(".weight") else v)
-        sd["transformer." + k] = v.contiguous()
-    sd["transformer.wte.weight"] = full["wte.weight"][:mc.vocab_size].contiguous()
-    return sd                                                  # lm_head: tied to wte (Hugging Face ties it)
+        t = t[:mc.vocab_size] if name in ("wte.weight", "lm_head.weight") else t
+        names = hf_names(name, mc)
+        parts = t.split(mc.qkv_sections if ".attn.qkv." in name else (mc.intermediate_size,) * 2) if len(names) > 1 else [t]
+        for n, p in zip(names, parts):
+            sd[n] = (p.t() if mc.arch == "gpt2" and name.endswith(CONV1D) else p).contiguous()
+    return sd
 
 
 def hf_config(mc):
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": mc.vocab_size,
-            "n_positions": mc.block_size, "n_ctx": mc.block_size, "n_embd": mc.n_embd, "n_layer": mc.n_layer,
-            "n_head": mc.n_head, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}
+    """config.json for a full model: what GPT2LMHeadModel / Qwen2ForCausalLM.from_pretrained reads."""
+    if mc.arch == "gpt2" and (mc.n_kv_head != mc.n_head or not mc.bias):
+        raise ValueError("Hugging Face's GPT-2 has biases and no grouped-query attention: this model has "
+                         f"bias={mc.bias}, n_kv_head={mc.n_kv_head}")
+    if mc.arch == "gpt2":
+        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": mc.vocab_size,
+                "n_positions": mc.block_size, "n_ctx": mc.block_size, "n_embd": mc.n_embd, "n_layer": mc.n_layer,
+                "n_head": mc.n_head, "n_inner": mc.intermediate_size, "activation_function": "gelu_new",
+                "layer_norm_epsilon": mc.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": mc.tie_embeddings}
+    if not mc.bias:
+        raise ValueError("Hugging Face's Qwen2 has biases on q, k and v: this model has bias=False")
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": mc.vocab_size,
+            "hidden_size": mc.n_embd, "intermediate_size": mc.intermediate_size, "num_hidden_layers": mc.n_layer,
+            "num_attention_heads": mc.n_head, "num_key_value_heads": mc.n_kv_head,
+            "max_position_embeddings": mc.block_size, "rms_norm_eps": mc.norm_eps, "hidden_act": "silu",
+            "rope_theta": mc.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta},
+            "tie_word_embeddings": mc.tie_embeddings, "use_sliding_window": False, "attention_dropout": 0.0,
+            "torch_dtype": "float32"}
 
 
-# safetensors: 8 bytes of header length, a JSON header {name: {dtype, shape, data_offsets}}, the data
-ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def read_weights(path):
-    """A state dict from a file or a folder with model.safetensors or pytorch_model.bin (local only)."""
-    if os.path.isdir(path):
-        found = [os.path.join(path, n) for n in ("model.safetensors", "pytorch_model.bin")
-                 if os.path.exists(os.path.join(path, n))]
-        if not found:
-            raise ValueError(f"{path} holds neither model.safetensors nor pytorch_model.bin")
-        path = found[0]
-    if not path.endswith(".safetensors"):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header, data = json.loads(f.read(n)), f.read()
-    return {k: torch.frombuffer(bytearray(data[v["data_offsets"][0]:v["data_offsets"][1]]),
-                                dtype=ST_DTYPES[v["dtype"]]).reshape(v["shape"]).clone()
-            for k, v in header.items() if k != "__metadata__"}
-
-
-def write_safetensors(sd, path):
-    names = {v: k for k, v in ST_DTYPES.items()}
-    header, blobs, off = {}, [], 0
-    for k, v in sd.items():
-        b = v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header[k] = {"dtype": names[v.dtype], "shape": list(v.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little") + h)
-        for b in blobs:
-            f.write(b)
+def save_hf(model, dest):
+    """A single-process model as a Hugging Face folder: model.safetensors and config.json."""
+    from safetensors.torch import save_file
+    cfg = hf_config(model.config)
+    os.makedirs(dest, exist_ok=True)
+    save_file(to_hf(model.state_dict(), model.config), os.path.join(dest, "model.safetensors"), {"format": "pt"})
+    with open(os.path.join(dest, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)

@@ -14,19 +14,19 @@ import torch
 
 import parallel
 import taco
-from data.loader import check_tokens
-from model import GPTConfig
+from data.loader import check_tokens, read_meta
+from model import ARCHS, GPTConfig
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; raised before any work starts, names the fix."""
 
 
-CHOICES = {"device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
+CHOICES = {"arch": ARCHS, "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),
            "schedule": parallel.SCHEDULES, "tp_transport": taco.TRANSPORTS}
-AT_LEAST = {1: ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
+AT_LEAST = {1: ("vocab_size", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps",
                 "max_iters", "log_interval", "tp", "pp", "taco_chunks", "timeout"),
-            0: ("eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "profile_steps",
+            0: ("n_kv_head", "intermediate_size", "eval_interval", "eval_iters", "warmup_iters", "lr_decay_iters", "sample_tokens", "profile_steps",
                 "taco_min_bytes", "seed", "learning_rate", "min_lr", "weight_decay", "grad_clip", "peak_flops"),
             -1: ("ckpt_interval",)}
 BELOW_ONE = ("dropout", "beta1", "beta2")                     # in [0, 1)
@@ -151,6 +151,9 @@ def check_values(cfg):
     for k in BELOW_ONE:
         if not 0 <= cfg[k] < 1:
             raise ConfigError(f"{k}={cfg[k]} must be in [0, 1)")
+    for k in ("rope_theta", "norm_eps"):
+        if not cfg[k] > 0:
+            raise ConfigError(f"{k}={cfg[k]} must be > 0")
     if cfg["eval_interval"] and cfg["eval_iters"] < 1:
         raise ConfigError("eval_iters=0 with eval_interval > 0: set eval_iters >= 1, or eval_interval=0 for no evaluation")
     b = cfg["codec_block"]
@@ -169,7 +172,7 @@ def check_values(cfg):
 
 
 def check_layout(tp, pp, world, dp=None, n_head=None, n_embd=None, vocab_size=None, n_layer=None,
-                 schedule="1f1b"):
+                 schedule="1f1b", n_kv_head=None):
     """Refuse layouts that cannot work, with a message naming the fix (dp: derived when None).
     Returns dp. Pure function (testable)."""
     for name, v in (("tp", tp), ("pp", pp)) + ((("dp", dp),) if dp is not None else ()):
@@ -185,6 +188,13 @@ def check_layout(tp, pp, world, dp=None, n_head=None, n_embd=None, vocab_size=No
     if n_head is not None and n_head % tp:
         raise ConfigError(f"n_head={n_head} is not divisible by tp={tp}: each TP rank must own whole "
                           f"attention heads; pick tp from the divisors of n_head")
+    if n_kv_head and n_head is not None and n_head % n_kv_head:
+        raise ConfigError(f"n_head={n_head} is not a multiple of n_kv_head={n_kv_head}: each key/value head "
+                          f"serves the same number of query heads; pick n_kv_head from the divisors of n_head")
+    if n_kv_head and n_kv_head % tp:
+        raise ConfigError(f"n_kv_head={n_kv_head} is not divisible by tp={tp}: each TP rank must own whole "
+                          f"key/value heads (and the query heads that read them); pick tp from the divisors of "
+                          f"n_kv_head")
     if n_embd is not None and n_embd % tp:
         raise ConfigError(f"n_embd={n_embd} is not divisible by tp={tp}")
     if n_embd is not None and n_head is not None and n_embd % n_head:
@@ -200,9 +210,14 @@ def check_layout(tp, pp, world, dp=None, n_head=None, n_embd=None, vocab_size=No
 def check(cfg, world, local_world=None):
     """Everything that can be refused before launch: values, layout, devices, data files."""
     check_values(cfg)
-    mc = GPTConfig(block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"], n_embd=cfg["n_embd"])
+    mc = GPTConfig.from_settings(cfg)
     dp = check_layout(cfg["tp"], cfg["pp"], world, None, mc.n_head, mc.n_embd, mc.padded_vocab,
-                      mc.n_layer, cfg["schedule"])
+                      mc.n_layer, cfg["schedule"], mc.n_kv_head)
+    if mc.arch == "qwen2" and (mc.n_embd // mc.n_head) % 2:
+        raise ConfigError(f"rotary positions rotate pairs of dimensions: the head size n_embd/n_head = "
+                          f"{mc.n_embd // mc.n_head} must be even")
+    if cfg["init_from"]:
+        check_init_from(cfg["init_from"], mc)
     local_world = local_world or world
     if local_world % cfg["tp"]:
         raise ConfigError(f"tp={cfg['tp']} does not divide the {local_world} processes of a node (LOCAL_WORLD_SIZE): "
@@ -227,10 +242,27 @@ def check(cfg, world, local_world=None):
     for split in ("train", "val"):
         path = os.path.join(data_dir(cfg), f"{split}.bin")
         try:
-            check_tokens(path, cfg["block_size"], mc.vocab_size)
+            check_tokens(path, cfg["block_size"], mc.vocab_size, read_meta(data_dir(cfg))["dtype"])
         except ValueError as e:
             raise ConfigError(f"{e} (python data/prepare.py {cfg['dataset']} writes it)") from None
     return dp
+
+
+def check_init_from(folder, mc):
+    """The Hugging Face folder's model must be the one the settings describe: else the flags to pass."""
+    import checkpoint
+    try:
+        hf = checkpoint.hf_model_config(folder)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"--init_from={folder}: {type(e).__name__ + ': ' if isinstance(e, KeyError) else ''}{e}")
+    keys = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "rope_theta",
+            "norm_eps", "tie_embeddings", "bias")
+    wrong = [f"--{k}={getattr(hf, k)}" for k in keys if getattr(hf, k) != getattr(mc, k)]
+    if wrong:
+        raise ConfigError(f"--init_from={folder} holds a {hf.arch} model these settings do not describe: pass "
+                          f"{' '.join(wrong)}")
+    if mc.block_size > hf.block_size:
+        raise ConfigError(f"block_size={mc.block_size} is more than the {hf.block_size} positions of --init_from={folder}")
 
 
 def data_dir(cfg):

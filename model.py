@@ -1,10 +1,14 @@
 """
-A GPT-2 in one file, with hand-written tensor parallelism (Megatron-LM, Shoeybi et al. 2019).
-
-Per transformer block, with tp ranks:
+GPT-2 and Qwen2 (the Llama shape) in one file, with hand-written tensor parallelism (Megatron-LM,
+Shoeybi et al. 2019). Per transformer block, with tp ranks:
 
     x ─ LN ─ f ─ QKV (column ‖) ─ attention on n_head/tp local heads ─ out-proj (row ‖) ─ g ─ + x
     x ─ LN ─ f ─ fc  (column ‖) ─ GELU on 4C/tp local features   ─ proj   (row ‖) ─ g ─ + x
+
+Qwen2 (Hugging Face's Qwen2ForCausalLM; config.arch chooses) swaps parts in that skeleton: RMSNorm
+for LN; rotary positions on q and k for learned positions; grouped-query attention (n_head/n_kv_head
+query heads read each key/value head; QKV biased, out-proj not); SwiGLU, proj(silu(gate) * up) with
+fc = [gate|up], for the GELU MLP; the LM head tied to the embedding or a weight of its own.
 
 f and g are parallel.py's two operators: f is the identity forward and all-reduces the input
 gradient backward (it runs inside ColumnParallelLinear, fused with its matmul), g all-reduces the
@@ -12,19 +16,22 @@ row-parallel partial sums forward. Their all-reduces are the ones taco.py compre
 embedding and the tied LM head are split over the vocabulary, and the loss is a vocab-parallel
 cross-entropy: full logits are never gathered.
 
-Built in a plain process (no TPComm given) the model is TP=1 and is an ordinary GPT-2.
-Every weight is initialised at full size from the seed and then sliced, so TP=1 and TP=N start
-from identical parameters.
+Built in a plain process (no TPComm given) the model is TP=1. Every weight is initialised at full
+size from the seed and then sliced, so TP=1 and TP=N start from identical parameters.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
 
 import parallel
+
+
+ARCHS = ("gpt2", "qwen2")
 
 
 @dataclass
@@ -35,11 +42,30 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True
+    bias: bool = True            # gpt2: every linear and LayerNorm; qwen2: the QKV projection's
+    arch: str = "gpt2"           # ARCHS
+    n_kv_head: int = 0           # qwen2: key/value heads (0: n_head)
+    intermediate_size: int = 0   # qwen2: SwiGLU width (0: 4 * n_embd)
+    rope_theta: float = 10000.0  # qwen2: rotary base
+    norm_eps: float = 1e-5       # epsilon of LayerNorm / RMSNorm
+    tie_embeddings: bool = True  # the LM head's weight is the token embedding's
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        self.intermediate_size = self.intermediate_size or 4 * self.n_embd
+
+    @classmethod
+    def from_settings(cls, c):
+        """The model's shape from a run's settings (train.py's names, a subset of them suffices)."""
+        return cls(**{f.name: c[f.name] for f in fields(cls) if f.name in c})
 
     @property
     def padded_vocab(self):
         return -(-self.vocab_size // 128) * 128
+
+    @property
+    def qkv_sections(self):      # the fused QKV's output sections [Q | K | V]
+        return tuple(n * (self.n_embd // self.n_head) for n in (self.n_head, self.n_kv_head, self.n_kv_head))
 
 
 # -----------------------------------------------------------------------------
@@ -48,9 +74,7 @@ class GPTConfig:
 def autocast_input(x):
     """Under autocast, cast before f, so that its backward all-reduce carries bf16 gradients (the
     matmul would cast anyway; LayerNorm's output is fp32 under autocast)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
+    return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
 class ColumnParallelLinear(nn.Module):
@@ -59,12 +83,12 @@ class ColumnParallelLinear(nn.Module):
 
         A = [ A_0 ]   rank 0 computes X A_0^T  (B, T, out/tp)
             [ A_1 ]   rank 1 computes X A_1^T
-    `parts` > 1 splits the output into that many equal sections first (QKV: [Q|K|V]) and gives
-    each rank the same slice of every section, so rank r owns whole heads of Q, K and V."""
+    `sections` (sizes summing to d_out) splits the output first (QKV: [Q|K|V], SwiGLU: [gate|up])
+    and gives each rank its slice of every section, so rank r owns whole heads of Q, K and V."""
 
-    def __init__(self, d_in, d_out, comm, bias=True, parts=1):
+    def __init__(self, d_in, d_out, comm, bias=True, sections=None):
         super().__init__()
-        self.comm, self.parts = comm, parts
+        self.comm, self.sections = comm, tuple(sections or (d_out,))
         self.weight = nn.Parameter(torch.empty(d_out // comm.size, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out // comm.size)) if bias else None
         self.weight.tp_split = True
@@ -72,8 +96,8 @@ class ColumnParallelLinear(nn.Module):
             self.bias.tp_split = True
 
     def shard(self, full):                       # full: (d_out, ...) -> this rank's rows
-        sections = full.chunk(self.parts, dim=0)
-        return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in sections], dim=0)
+        parts = full.split(self.sections, dim=0)
+        return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in parts], dim=0)
 
     def forward(self, x):                        # x: (B, T, in), sequence parallelism: (B, T/tp, in)
         return parallel.f(autocast_input(x), self.weight, self.bias, self.comm)       # (B, T, out/tp)
@@ -170,76 +194,117 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 # -----------------------------------------------------------------------------
 # the transformer
 
+class RMSNorm(nn.Module):
+    """Qwen2's RMSNorm in Hugging Face's order: normalise in fp32, cast back, then the weight."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotary(T, head_dim, theta, device):
+    """cos, sin (T, head_dim) in fp32 of Hugging Face's half-split rotary embedding: dimension i and
+    i + head_dim/2 of a head form one pair, rotated by the angle pos * theta^(-2i/head_dim)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = (torch.arange(T, device=device).float()[:, None] * inv_freq).repeat(1, 2)   # (T, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):               # x: (B, h, T, hd); cos, sin cast to x's dtype (as HF)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
+    """Multi-head (GPT-2) or grouped-query (Qwen2: n_kv_head < n_head, rotary on q and k) attention
+    on this rank's heads: n_head/tp query heads and the n_kv_head/tp key/value heads they read."""
+
     def __init__(self, cfg, comm):
         super().__init__()
-        self.n_head = cfg.n_head // comm.size        # local heads
-        self.qkv = ColumnParallelLinear(cfg.n_embd, 3 * cfg.n_embd, comm, cfg.bias, parts=3)
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, comm, cfg.bias)
+        self.hd, self.gqa = cfg.n_embd // cfg.n_head, cfg.n_kv_head != cfg.n_head
+        self.local = [n // comm.size for n in cfg.qkv_sections]       # this rank's [Q|K|V]: whole heads
+        self.qkv = ColumnParallelLinear(cfg.n_embd, sum(cfg.qkv_sections), comm, cfg.bias, sections=cfg.qkv_sections)
+        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, comm, cfg.bias and cfg.arch == "gpt2")
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):                        # x: (B, T, C), with sequence parallelism (B, T/tp, C)
-        qkv = self.qkv(x)                                                          # (B, T, 3C/tp) = [Q|K|V]
-        B, T, _ = qkv.shape
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in qkv.chunk(3, dim=2))   # (B, h/tp, T, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))     # (B, T, C/tp) -> (B, T, C)
+    def forward(self, x, rope=None):             # x: (B, T, C), with sequence parallelism (B, T/tp, C)
+        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.hd)                  # (B, h/tp or kv/tp, T, hd)
+                   for t in self.qkv(x).split(self.local, dim=-1))                # (B, T, (h + 2kv) hd/tp)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.gqa)                             # (B, h/tp, T, hd)
+        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))    # (B, T, C/tp) -> (B, T, C)
 
 
 class MLP(nn.Module):
+    """GPT-2: proj(GELU(fc(x))); Qwen2's SwiGLU: proj(silu(gate) * up) with fc = [gate|up]."""
+
     def __init__(self, cfg, comm):
         super().__init__()
-        self.fc = ColumnParallelLinear(cfg.n_embd, 4 * cfg.n_embd, comm, cfg.bias)
-        self.proj = RowParallelLinear(4 * cfg.n_embd, cfg.n_embd, comm, cfg.bias)
+        self.swiglu, I = cfg.arch == "qwen2", cfg.intermediate_size
+        bias, sections = cfg.bias and not self.swiglu, (I, I) if self.swiglu else (I,)
+        self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, bias, sections=sections)
+        self.proj = RowParallelLinear(I, cfg.n_embd, comm, bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))   # GPT-2 GELU; (B, T, 4C/tp) -> (B, T, C)
+        h = self.fc(x)                                                  # (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
+        h = F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1] if self.swiglu else F.gelu(h, approximate="tanh")
+        return self.drop(self.proj(h))                                  # (B, T, I/tp) -> (B, T, C)
+
+
+def norm(cfg):
+    return RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.arch == "qwen2" else nn.LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
 
 
 class Block(nn.Module):
     def __init__(self, cfg, comm):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = norm(cfg)
         self.attn = CausalSelfAttention(cfg, comm.at("attn"))
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg, comm.at("mlp"))
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """The whole GPT (stages=1) or one pipeline stage of it: stage s of S owns blocks
-    [s*L/S, (s+1)*L/S); the first stage also owns the embeddings, the last the final LayerNorm and
-    the LM head. The head is a column-parallel linear whose weight IS the token embedding's (tied):
-    with S > 1 the last stage holds a copy of wte whose gradient is summed with the first stage's
-    every step (parallel.sync_tied_grads), so the two stay equal."""
+    """The whole model (stages=1) or one pipeline stage of it: stage s of S owns blocks [s*L/S,
+    (s+1)*L/S); the first stage also owns the embeddings, the last the final norm and the LM head,
+    a column-parallel linear. Tied, its weight IS the token embedding's: with S > 1 the last stage
+    holds a copy of wte whose gradient is summed with the first stage's every step
+    (parallel.sync_tied_grads), so the two stay equal; untied, it is the last stage's own weight."""
 
     def __init__(self, config, comm=None, seed=0, stage=0, stages=1):
         super().__init__()
-        self.config = config
+        self.config = c = config
         self.comm = comm or parallel.TPComm()
-        c = config
         self.stage, self.stages = stage, stages
         self.first, self.last = stage == 0, stage == stages - 1
         per = c.n_layer // stages
         self.layers = range(stage * per, (stage + 1) * per)       # global indices of this stage's blocks
-        if self.first or self.last:
+        if self.first or (self.last and c.tie_embeddings):
             self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm)
             self.wte.weight.pp_tied_copy = not self.first       # counted once in the gradient norm
         if self.first:
-            self.wpe = nn.Embedding(c.block_size, c.n_embd)
+            self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.arch == "gpt2" else None   # qwen2: rotary
             self.drop = nn.Dropout(c.dropout)
         self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
         if self.last:
-            self.ln_f = nn.LayerNorm(c.n_embd, bias=c.bias)
+            self.ln_f = norm(c)
             self.lm_head = ColumnParallelLinear(c.n_embd, c.padded_vocab, self.comm, bias=False)
-            self.lm_head.weight = self.wte.weight               # tied: one parameter, sliced alike
-        self.init_weights(seed)
+            if c.tie_embeddings:
+                self.lm_head.weight = self.wte.weight           # tied: one parameter, sliced alike
+        if seed is not None:                                     # None: weights to be loaded
+            self.init_weights(seed)
 
     # --- initialisation: full tensors from one generator, then this rank's slice ---
     def full_shapes(self):
@@ -248,14 +313,18 @@ class GPT(nn.Module):
         c = self.config
         proj_std = 0.02 / math.sqrt(2 * c.n_layer)   # GPT-2: scale residual projections
         owned = dict(zip(self.layers, self.h))
-        yield getattr(self, "wte", None), "weight", (c.padded_vocab, c.n_embd), 0.02
-        yield getattr(self, "wpe", None), "weight", (c.block_size, c.n_embd), 0.02
+        C, I = c.n_embd, c.intermediate_size
+        yield getattr(self, "wte", None), "weight", (c.padded_vocab, C), 0.02
+        if c.arch == "gpt2":
+            yield getattr(self, "wpe", None), "weight", (c.block_size, C), 0.02
         for i in range(c.n_layer):
             b = owned.get(i)
-            yield b and b.attn.qkv, "weight", (3 * c.n_embd, c.n_embd), 0.02
-            yield b and b.attn.proj, "weight", (c.n_embd, c.n_embd), proj_std
-            yield b and b.mlp.fc, "weight", (4 * c.n_embd, c.n_embd), 0.02
-            yield b and b.mlp.proj, "weight", (c.n_embd, 4 * c.n_embd), proj_std
+            yield b and b.attn.qkv, "weight", (sum(c.qkv_sections), C), 0.02
+            yield b and b.attn.proj, "weight", (C, C), proj_std
+            yield b and b.mlp.fc, "weight", ((2 if c.arch == "qwen2" else 1) * I, C), 0.02
+            yield b and b.mlp.proj, "weight", (C, I), proj_std
+        if not c.tie_embeddings:
+            yield getattr(self, "lm_head", None), "weight", (c.padded_vocab, C), 0.02
 
     @torch.no_grad()
     def init_weights(self, seed):
@@ -264,20 +333,21 @@ class GPT(nn.Module):
             full = torch.randn(shape, generator=gen) * std             # drawn even if not ours
             if mod is not None:
                 getattr(mod, attr).copy_(mod.shard(full) if hasattr(mod, "shard") else full)
-        for m in self.modules():                 # biases zero, LayerNorm weight one
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.bias is not None:
+        for m in self.modules():                 # biases zero, norm weights one
+            if isinstance(getattr(m, "bias", None), torch.Tensor):
                 m.bias.zero_()
-            if isinstance(m, nn.LayerNorm):
+            if isinstance(m, (nn.LayerNorm, RMSNorm)):
                 m.weight.fill_(1.0)
-                if m.bias is not None:
-                    m.bias.zero_()
 
     def num_params(self, non_embedding=True):
-        """Parameters of the whole model (all stages, unsharded), from the config."""
-        c, C, b = self.config, self.config.n_embd, int(self.config.bias)
-        per_layer = 12 * C * C + b * 9 * C + 2 * (C + b * C)        # 4 linears (+ biases), 2 LayerNorms
-        n = c.padded_vocab * C + c.block_size * C + c.n_layer * per_layer + (C + b * C)
-        return n - (c.block_size * C if non_embedding else 0)
+        """Parameters of the whole model (all stages, unsharded), from the config; non_embedding leaves
+        out the lookups that are no matmul (GPT-2's positions, an untied token embedding)."""
+        c, C, b, gpt2 = self.config, self.config.n_embd, int(self.config.bias), self.config.arch == "gpt2"
+        nrm, qkv = C + b * C if gpt2 else C, sum(c.qkv_sections)        # LayerNorm (+ bias) or RMSNorm
+        vectors = b * qkv + 2 * nrm + (b * (2 * C + c.intermediate_size) if gpt2 else 0)    # per block
+        n = sum(math.prod(shape) for _, _, shape, _ in self.full_shapes()) + c.n_layer * vectors + nrm
+        lookup = c.block_size * C if gpt2 else 0 if c.tie_embeddings else c.padded_vocab * C
+        return n - (lookup if non_embedding else 0)
 
     # --- forward ---
     def forward(self, idx, targets=None, hidden=None):
@@ -285,25 +355,26 @@ class GPT(nn.Module):
         Returns (logits, loss) on the last stage: logits are this rank's vocabulary slice
         (B, T, V_padded/tp), all positions with targets, the last position only without.
         Other stages return (hidden state for the next stage, None)."""
+        c, sp = self.config, self.comm.size if self.comm.sp else 1
         if self.first:
             B, T = idx.shape
-            assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
-            pos = torch.arange(T, device=idx.device)
-            if self.comm.sp:                         # this rank's slice of the sequence
-                assert T % self.comm.size == 0, f"sequence parallelism needs T ({T}) divisible by tp"
-                pos = pos.chunk(self.comm.size)[self.comm.rank]
-            x = self.drop(self.wte(idx) + self.wpe(pos))                             # (B, T, C), SP: (B, T/tp, C)
+            assert T <= c.block_size, f"sequence length {T} > block_size {c.block_size}"
+            assert T % sp == 0, f"sequence parallelism needs T ({T}) divisible by tp"
+            x = self.wte(idx)                                                        # (B, T, C), SP: (B, T/tp, C)
+            pos = torch.arange(T, device=idx.device).chunk(sp)[self.comm.rank if sp > 1 else 0]   # SP: its slice
+            x = self.drop(x + self.wpe(pos) if self.wpe is not None else x)
         else:
             x = hidden
+        rope = rotary(x.shape[1] * sp, c.n_embd // c.n_head, c.rope_theta, x.device) if c.arch == "qwen2" else None
         for block in self.h:
-            x = block(x)
+            x = block(x, rope)
         if not self.last:
             return x, None
         if targets is None:                                      # generation: the last position only
             assert not self.comm.sp, "the last position alone: not with sequence parallelism"
             return self.lm_head(self.ln_f(x)[:, -1:, :]), None                     # (B, 1, V/tp)
         logits = self.lm_head(self.ln_f(x))                                          # (B, T, V/tp)
-        n_real = self.config.vocab_size - self.wte.start                          # padding columns excluded
+        start = self.comm.rank * logits.shape[-1]                                   # this rank's first column
         loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
-                                               self.wte.start, n_real, self.comm.group)
+                                               start, c.vocab_size - start, self.comm.group)   # padding excluded
         return logits, loss

@@ -332,5 +332,5 @@ def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False,
 
 def sync_tied_grads(model, grid):
     """Sum the tied embedding's gradient over its two copies (first and last stage)."""
-    if grid.pp > 1 and (model.first or model.last) and model.wte.weight.grad is not None:
+    if grid.pp > 1 and model.config.tie_embeddings and (model.first or model.last) and model.wte.weight.grad is not None:
         dist.all_reduce(model.wte.weight.grad, group=grid.tied_group)

@@ -3,13 +3,12 @@ Text out of a model: generation (also across TP ranks and pipeline stages: train
 sample at the end of a run), and the command line for checkpoints and weights:
 
     python sample.py generate out/demo --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top_k 100
-    python sample.py generate path/to/gpt2                  # Hugging Face GPT-2 weights (config.json + weights)
-    python sample.py export out/demo hf_out/                # a checkpoint as Hugging Face GPT-2 weights
+    python sample.py generate path/to/qwen2.5-0.5b          # a Hugging Face GPT-2 or Qwen2 folder
+    python sample.py export out/demo hf_out/                # a checkpoint as a Hugging Face folder
 
 A checkpoint of any (tp, pp) layout is merged into one model on one process (checkpoint.merge).
 """
 import argparse
-import json
 import os
 
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
-from model import GPT, GPTConfig
+from model import GPT
 
 
 def full_logits(model, idx, grid=None):
@@ -66,14 +65,19 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
     return idx
 
 
-def print_sample(model, prompt, tokens, grid, seed, autocast):
+def tokenizer_of(mc):
+    """The tokenizer a model's ids are in, from its vocabulary: Qwen2's needs 151,646 rows."""
+    return "qwen2" if mc.vocab_size >= 151646 else "gpt2"
+
+
+def print_sample(model, prompt, tokens, grid, seed, autocast, tokenizer="gpt2"):
     """Every rank of the model generates (all take part in each forward); rank 0 prints the text."""
     if model.comm.sp:
         if grid.rank == 0:
             print("(no sample: generation is not implemented with sequence parallelism)")
         return
     from data.tokenizer import get_encoding
-    enc, dev = get_encoding(), next(model.parameters()).device
+    enc, dev = get_encoding(tokenizer), next(model.parameters()).device
     model.eval()
     idx = torch.tensor([enc.encode_ordinary(prompt)], device=dev)
     gen = torch.Generator().manual_seed(seed)                 # identical on every TP rank
@@ -85,20 +89,18 @@ def print_sample(model, prompt, tokens, grid, seed, autocast):
 
 def load(path, device="cpu"):
     """A single-process model from an out_dir (its newest complete checkpoint set), a set's folder,
-    or a folder of Hugging Face GPT-2 weights (config.json beside them)."""
+    or a Hugging Face GPT-2 or Qwen2 folder (config.json beside the weights)."""
     if os.path.exists(os.path.join(path, "config.json")):
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        mc = GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                       n_head=hf["n_head"], n_embd=hf["n_embd"])
-        full = checkpoint.hf_to_full(checkpoint.read_weights(path), mc)
+        mc = checkpoint.hf_model_config(path)
+        model = GPT(mc, seed=None)
+        checkpoint.shard_into(model, checkpoint.from_hf(checkpoint.hf_read(path), mc))
     else:
         found = [path] if os.path.exists(os.path.join(path, "COMPLETE")) else checkpoint.sets(path)
         if not found:
             raise SystemExit(f"{path}: no complete checkpoint set (ckpt/iter_N/COMPLETE), no Hugging Face config.json")
         mc, full, _ = checkpoint.merge(found[-1])
-    model = GPT(mc)
-    model.load_state_dict(full)
+        model = GPT(mc, seed=None)
+        model.load_state_dict(full)
     return model.to(device).eval()
 
 
@@ -106,7 +108,7 @@ def cli(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="sample text from a checkpoint or Hugging Face weights")
-    g.add_argument("path", help="an out_dir, a checkpoint set folder, or a Hugging Face GPT-2 folder")
+    g.add_argument("path", help="an out_dir, a checkpoint set folder, or a Hugging Face GPT-2 / Qwen2 folder")
     g.add_argument("--prompt", default="\n")
     g.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
     g.add_argument("--temperature", type=float, default=0.8)
@@ -114,23 +116,22 @@ def cli(argv=None):
     g.add_argument("--num_samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=1337)
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    e = sub.add_parser("export", help="write a checkpoint as Hugging Face GPT-2 weights")
-    e.add_argument("path", help="an out_dir or a checkpoint set folder")
-    e.add_argument("dest", help="folder for model.safetensors and config.json (GPT2LMHeadModel.from_pretrained)")
+    e = sub.add_parser("export", help="write a model as a Hugging Face folder (GPT-2 or Qwen2)")
+    e.add_argument("path", help="anything generate reads: an out_dir, a checkpoint set, a Hugging Face folder")
+    e.add_argument("dest", help="folder for model.safetensors and config.json (from_pretrained reads it)")
     a = ap.parse_args(argv)
-    model = load(a.path, a.device if a.cmd == "generate" else "cpu")
+    try:
+        model = load(a.path, a.device if a.cmd == "generate" else "cpu")
+    except ValueError as e:                                   # a folder that is not what it should be
+        raise SystemExit(f"{a.path}: {e}") from None
     if a.cmd == "export":
-        os.makedirs(a.dest, exist_ok=True)
-        checkpoint.write_safetensors(checkpoint.full_to_hf(model.state_dict(), model.config),
-                                     os.path.join(a.dest, "model.safetensors"))
-        with open(os.path.join(a.dest, "config.json"), "w") as f:
-            json.dump(checkpoint.hf_config(model.config), f, indent=1)
-        print(f"wrote {a.dest}/model.safetensors and config.json")
+        checkpoint.save_hf(model, a.dest)
+        print(f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})")
         return
     if a.temperature <= 0 or a.tokens < 0 or a.top_k < 0:
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")
     from data.tokenizer import get_encoding
-    enc = get_encoding()
+    enc = get_encoding(tokenizer_of(model.config))
     idx = torch.tensor([enc.encode_ordinary(a.prompt)] * a.num_samples, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
     out = generate(model, idx, a.tokens, a.temperature, a.top_k or None, gen)

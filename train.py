@@ -28,7 +28,7 @@ import runlog
 import taco
 import taco_kernels
 import watchdog
-from data.loader import Batches
+from data.loader import Batches, read_meta
 from model import GPT, GPTConfig
 
 # -----------------------------------------------------------------------------
@@ -37,14 +37,21 @@ out_dir = "out"                 # log.jsonl and checkpoint sets (ckpt/iter_N/) g
 overwrite = False               # start a new run in an out_dir that holds another run's checkpoints
 dataset = "small"               # <data_dir>/<dataset>/{train,val}.bin (python data/prepare.py small)
 data_dir = ""                   # "" = this repository's data/ folder, wherever you run from
-init_from = ""                  # Hugging Face GPT-2 weights: a folder with model.safetensors or pytorch_model.bin
+init_from = ""                  # Hugging Face weights (GPT-2 or Qwen2): a folder with config.json and the weights
 # model
+arch = "gpt2"                   # gpt2 | qwen2 (RMSNorm, rotary positions, grouped-query attention, SwiGLU)
+vocab_size = 50257              # rows of the token embedding: GPT-2's tokenizer 50257, Qwen2's 151936
 n_layer = 4                     # transformer blocks
 n_head = 4                      # attention heads (a multiple of tp)
+n_kv_head = 0                   # key/value heads, dividing n_head and a multiple of tp (0: n_head)
 n_embd = 128                    # model width C
+intermediate_size = 0           # the MLP's width (0: 4 * n_embd); qwen2: each of SwiGLU's gate and up
+rope_theta = 10000.0            # qwen2: the rotary positions' base
+norm_eps = 1e-5                 # epsilon of LayerNorm (gpt2) / RMSNorm (qwen2)
+tie_embeddings = True           # the LM head's weight is the token embedding's (untied: a weight of its own)
 block_size = 64                 # context length T in tokens
 dropout = 0.0                   # in [0, 1)
-bias = True                     # biases in the linears and LayerNorms (GPT-2: True)
+bias = True                     # gpt2: biases in the linears and LayerNorms; qwen2: in the QKV projection
 # batch: tokens per step = batch_size * block_size * gradient_accumulation_steps * dp
 batch_size = 16                 # sequences per micro-batch per DP rank
 gradient_accumulation_steps = 1     # with pp > 1: the pipeline's micro-batches
@@ -176,11 +183,12 @@ def setup(cfg, model_hook=None):
         import tp_auto
         auto = tp_auto.choose(comm, c["batch_size"] * c["block_size"] * c["n_embd"], c["n_embd"], ptdtype, dev,
                               c["tp_auto_bits"])
-    mcfg = GPTConfig(block_size=c["block_size"], n_layer=c["n_layer"], n_head=c["n_head"], n_embd=c["n_embd"],
-                     dropout=c["dropout"], bias=c["bias"])
-    model = GPT(mcfg, comm, seed=c["seed"], stage=grid.pp_rank, stages=grid.pp)
-    if c["init_from"]:                                   # every rank reads the full weights, keeps its slice
-        checkpoint.shard_into(model, checkpoint.hf_to_full(checkpoint.read_weights(c["init_from"]), mcfg))
+    mc = GPTConfig.from_settings(c)
+    model = GPT(mc, comm, seed=None if c["init_from"] else c["seed"], stage=grid.pp_rank, stages=grid.pp)
+    if c["init_from"]:                             # every rank reads its own slices of the tensors, one at a time
+        checkpoint.shard_into(model, checkpoint.from_hf(checkpoint.hf_read(c["init_from"]), mc))
+        if grid.rank == 0:
+            print(f"init_from: {c['init_from']} ({mc.arch}, {model.num_params(False) / 1e6:.1f}M parameters)")
     model = model.to(dev)
     if model_hook is not None:
         model_hook(model, comm, c)
@@ -379,7 +387,8 @@ def train(r):
         runlog.write_trace(r, prof, c["max_iters"] - it_prof, time.time() - t_prof)
     if c["sample_tokens"] > 0:
         from sample import print_sample
-        print_sample(r.model, c["sample_prompt"], c["sample_tokens"], r.grid, c["seed"], r.autocast)
+        print_sample(r.model, c["sample_prompt"], c["sample_tokens"], r.grid, c["seed"], r.autocast,
+                     read_meta(config.data_dir(c))["tokenizer"])
 
 
 if __name__ == "__main__":

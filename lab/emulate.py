@@ -51,24 +51,19 @@ def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
     return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
 
-def split(a, dim, parts, t):
-    """`a` with dimension `dim` viewed as (parts, t, per): rank r's pieces are [..., :, r, :]."""
-    return a.view(*a.shape[:dim], parts, t, a.shape[dim] // (parts * t), *a.shape[dim + 1:])
-
-
-def by_rank(a, dim, parts, t):
+def by_rank(a, dim, sections, t):
     """The shares of t ranks in a column-parallel dimension of `a` (a weight's rows, a bias, an
     output's last dimension), rank-major in one copy: [r] is rank r's share, contiguous — every one
-    of `parts` equal sections (QKV: [Q|K|V]) cut into t pieces, piece r of each."""
-    return split(a, dim, parts, t).movedim(dim + 1, 0).reshape(t, *a.shape[:dim], -1, *a.shape[dim + 1:])
+    of the sections (sizes along dim; QKV: [Q|K|V]) cut into t pieces, piece r of each."""
+    pieces = [s.chunk(t, dim) for s in a.split(list(sections), dim)]
+    return torch.stack([torch.cat([p[r] for p in pieces], dim) for r in range(t)])
 
 
-def from_ranks(pieces, dim, parts):
+def from_ranks(pieces, dim, sections):
     """The inverse of by_rank: t ranks' shares (a list, or stacked) back in the full layout."""
-    s = torch.stack(list(pieces)) if isinstance(pieces, (list, tuple)) else pieces
-    t, shape = s.shape[0], s.shape[1:]
-    s = s.view(t, *shape[:dim], parts, shape[dim] // parts, *shape[dim + 1:])
-    return s.movedim(0, dim + 1).reshape(*shape[:dim], -1, *shape[dim + 1:])
+    t = len(pieces)
+    shares = [p.split([n // t for n in sections], dim) for p in pieces]
+    return torch.cat([shares[r][i] for i in range(len(sections)) for r in range(t)], dim)
 
 
 class _EmulatedG(torch.autograd.Function):
@@ -119,7 +114,7 @@ class EmulatedColumn(nn.Module):
 
     def __init__(self, layer, comm, t):
         super().__init__()
-        self.weight, self.bias, self.comm, self.parts, self.t = layer.weight, layer.bias, comm, layer.parts, t
+        self.weight, self.bias, self.comm, self.parts, self.t = layer.weight, layer.bias, comm, layer.sections, t
 
     def forward(self, x):
         return _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
@@ -133,7 +128,7 @@ class EmulatedRow(nn.Module):
         self.weight, self.bias, self.comm, self.t = layer.weight, layer.bias, comm, t
 
     def forward(self, x):
-        xs, ws = by_rank(x, x.dim() - 1, 1, self.t), self.weight.chunk(self.t, dim=-1)
+        xs, ws = by_rank(x, x.dim() - 1, (x.shape[-1],), self.t), self.weight.chunk(self.t, dim=-1)
         y = _EmulatedG.apply(self.comm, "fwd", *[F.linear(xs[r], w) for r, w in enumerate(ws)])
         return y if self.bias is None else y + self.bias
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 import checkpoint
 import config
@@ -106,8 +107,9 @@ def _hf_weights(seed=0):
 def test_hf_import_then_export_is_bit_exact(tmp_path):
     sd = _hf_weights()
     mc = GPTConfig(**MC)
-    checkpoint.write_safetensors(sd, str(tmp_path / "model.safetensors"))
-    back = checkpoint.full_to_hf(checkpoint.hf_to_full(checkpoint.read_weights(str(tmp_path)), mc), mc)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    get = checkpoint.from_hf(checkpoint.hf_read(str(tmp_path)), mc)
+    back = checkpoint.to_hf({n: get(n) for n in GPT(mc, seed=None).state_dict()}, mc)
     assert set(back) == set(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
@@ -126,11 +128,44 @@ def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
         nproc=4)
     subprocess.run([sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True,
                    capture_output=True)
-    back = checkpoint.read_weights(str(exported))
+    back = load_file(str(exported / "model.safetensors"))
     assert set(back) == set(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
     assert json.load(open(exported / "config.json"))["n_layer"] == MC["n_layer"]
+
+
+def _tiny_vocab_data(folder, vocab, n=4000):
+    """train.bin / val.bin of random ids below `vocab` (a fixture model's small vocabulary)."""
+    import numpy as np
+    os.makedirs(folder, exist_ok=True)
+    ids = np.random.default_rng(0).integers(0, vocab, n).astype(np.uint16)
+    for split in ("train", "val"):
+        ids.tofile(os.path.join(folder, f"{split}.bin"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["untied", "tied"])
+def test_qwen2_init_from_at_tp2_pp2_and_export_round_trip(tmp_path, name):
+    """--init_from=<Qwen2 folder> on TP=2 x PP=2 (grouped-query heads split over TP; the untied head, or
+    the tied embedding's copy, on the last stage), learning rate 0: the set merged and exported is the
+    folder's tensors bit for bit."""
+    src = os.path.join(ROOT, "tests", "fixtures", f"hf_qwen2_{name}")
+    _tiny_vocab_data(str(tmp_path / "data" / "tiny"), 300)
+    out, exported = tmp_path / "run", tmp_path / "exported"
+    shape = {"untied": ["--n_head=4", "--n_kv_head=2", "--tie_embeddings=False"], "tied": ["--n_head=4"]}[name]
+    p = run(TINY + shape + ["--arch=qwen2", "--vocab_size=300", "--intermediate_size=48", "--norm_eps=1e-6",
+                            "--rope_theta=1000.0", f"--data_dir={tmp_path / 'data'}", "--dataset=tiny", "--tp=2",
+                            "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=1", "--eval_interval=0",
+                            "--learning_rate=0", "--min_lr=0", "--weight_decay=0", f"--init_from={src}",
+                            f"--out_dir={out}"], nproc=4)
+    assert f"init_from: {src} (qwen2," in p.stdout
+    subprocess.run([sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True,
+                   capture_output=True)
+    back, read = load_file(str(exported / "model.safetensors")), checkpoint.hf_read(src)
+    assert len(back) == 2 + 12 * 2 + (name == "untied")         # embed, norm, 12 per block, the untied head
+    for k, v in back.items():
+        assert torch.equal(v, read(k)), k
 
 
 def _tp2_greedy(rank, world, folder):
@@ -162,6 +197,31 @@ def test_tp2_checkpoint_merged_gives_the_same_greedy_tokens(tmp_path):
 
 
 # --- data ---------------------------------------------------------------------------------------
+
+def test_prepare_with_qwen2_tokenizer_writes_uint32_that_training_reads(tmp_path):
+    """--tokenizer=qwen2: uint32 ids (Qwen2's ids pass 65535), meta.json says so, the loader and the
+    launch checks read the dtype from it; a model whose vocabulary is too small is refused naming the file."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"d{i}.txt").write_text(f"Document {i}: 你好，世界. " * 30)
+    subprocess.run([sys.executable, "data/prepare.py", "q", "--files", str(texts), "--val_fraction=0.34",
+                    "--tokenizer=qwen2", f"--out_root={tmp_path}"], cwd=ROOT, check=True, capture_output=True)
+    import numpy as np
+    from data.loader import Batches
+    from data.tokenizer import get_encoding
+    meta = json.load(open(tmp_path / "q" / "meta.json"))
+    assert (meta["tokenizer"], meta["dtype"], meta["vocab_size"]) == ("qwen2", "uint32", 151646)
+    val = np.fromfile(tmp_path / "q" / "val.bin", dtype=np.uint32)
+    assert val.max() > 65535 and get_encoding("qwen2").decode(val.tolist()).startswith("Document 2: 你好")
+    x, y = Batches(str(tmp_path / "q"), 8, 2, 0, 0, "cpu").get("val", 0)
+    assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 151646
+    c = config.parse(train.DEFAULTS, [f"--data_dir={tmp_path}", "--dataset=q", "--block_size=8",
+                                      "--arch=qwen2", "--vocab_size=151936"])
+    config.check(c, 1)
+    with pytest.raises(config.ConfigError, match="outside the model's vocabulary of 50257: set --vocab_size"):
+        config.check(dict(c, vocab_size=50257), 1)
+
 
 def test_prepare_text_files_and_folders(tmp_path):
     texts = tmp_path / "texts"

@@ -34,7 +34,8 @@ def _ops(rank, world):
 def _tp_suite(rank, world):
     """Every TP check of this file on one launch of `world` ranks (a launch costs seconds)."""
     return {"ops": _ops(rank, world), "linears": _linears(rank, world), "xent": _xent(rank, world),
-            "model": _model_tp_vs_single(rank, world)}
+            "model": _model_tp_vs_single(rank, world), "qwen2": _model_tp_vs_single(rank, world, QWEN),
+            "qwen2 sp": _model_tp_vs_single(rank, world, QWEN, sp=True)}
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -115,10 +116,15 @@ def test_vocab_parallel_cross_entropy(tp):
 # --- the whole model: TP=N vs TP=1 -----------------------------------------------------------------
 
 CFG = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=4, n_embd=32, bias=True)
+# Qwen2: grouped-query attention (4 query heads reading 2 key/value heads: at TP=4 one of each per
+# rank), SwiGLU, RMSNorm, rotary positions, an untied head
+QWEN = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=8, n_kv_head=4, n_embd=32, intermediate_size=40,
+                 arch="qwen2", rope_theta=500.0, norm_eps=1e-6, tie_embeddings=False)
 
 
-def _train_steps(model, steps=5):
-    """A few AdamW steps on one fixed random batch; returns the losses and the first step's gradients."""
+def _train_steps(model, steps=5, sp_grads=None):
+    """A few AdamW steps on one fixed random batch; returns the losses and the first step's gradients
+    (sequence parallelism: the replicated parameters' gradients summed over TP, as train.py does)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     gen = torch.Generator().manual_seed(7)
     x = torch.randint(0, CFG.vocab_size, (4, 16), generator=gen)
@@ -127,6 +133,8 @@ def _train_steps(model, steps=5):
     for _ in range(steps):
         _, loss = model(x, y)
         loss.backward()
+        if sp_grads is not None:
+            parallel.sync_sp_grads(list(model.parameters()), sp_grads)
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -144,22 +152,24 @@ def _shard_like(model_tp, name, full):
     return mod.shard(full)
 
 
-def _model_tp_vs_single(rank, world):
-    ref = GPT(CFG, seed=3)                                   # TP=1, every rank builds it
+def _model_tp_vs_single(rank, world, cfg=CFG, sp=False):
+    ref = GPT(cfg, seed=3)                                   # TP=1, every rank builds it
     ref_losses, ref_grads = _train_steps(ref)
-    tp_model = GPT(CFG, comm_for(rank, world), seed=3)
+    tp_model = GPT(cfg, comm_for(rank, world, sp=sp), seed=3)
     init_equal = all(torch.equal(p, _shard_like(tp_model, n, q))
-                     for (n, p), q in zip(tp_model.named_parameters(), GPT(CFG, seed=3).parameters()))
-    losses, grads = _train_steps(tp_model)
+                     for (n, p), q in zip(tp_model.named_parameters(), GPT(cfg, seed=3).parameters()))
+    losses, grads = _train_steps(tp_model, sp_grads=tp_model.comm)
     grad_pairs = {n: (g, _shard_like(tp_model, n, ref_grads[n])) for n, g in grads.items()}
     return init_equal, losses, ref_losses, grad_pairs
 
 
-def test_model_tp_matches_single_rank(tp):
+@pytest.mark.parametrize("family", ["model", "qwen2", "qwen2 sp"])
+def test_model_tp_matches_single_rank(tp, family):
     # Same initial parameters bit for bit (full init from the seed, then sliced). Losses and
     # gradients differ only by fp32 summation order (partial sums over TP ranks, split softmax):
     # relative 1e-5 on the loss and 1e-4 (rtol) / 1e-6 (atol) on gradients after one step.
-    for init_equal, losses, ref_losses, grads in (r["model"] for r in tp[1]):
+    # GPT-2, and Qwen2 without and with sequence parallelism.
+    for init_equal, losses, ref_losses, grads in (r[family] for r in tp[1]):
         assert init_equal
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
         assert losses == pytest.approx(ref_losses, rel=1e-5)        # the loss curve over 5 AdamW steps

@@ -52,25 +52,26 @@ def test_compressed_tp2_tracks_uncompressed(tmp_path):
         assert dev < 0.05, (codec, dev)
 
 
-@pytest.mark.parametrize("zero", [False, True])
+@pytest.mark.parametrize("zero", [False, True, pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_resume_is_bit_exact(tmp_path, zero):
     """6 steps in one go == 3 steps, stop, resume, 3 more; also with ZeRO-1 over dp=2 (each DP rank
-    saves and reloads its own optimizer shard)."""
+    saves and reloads its own optimizer shard), and a Qwen2 model at TP=2 x PP=2 (untied head)."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    extra, nproc = (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2) if zero else ([], 1)
+    extra, nproc = {False: ([], 1), True: (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2),
+                    "qwen2": (["--arch=qwen2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2)}[zero]
     common = TINY + extra + ["--max_iters=6", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6"]
     run(common + [f"--out_dir={a}"], nproc=nproc)
     run(common[:-3] + ["--max_iters=3", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6",
                        f"--out_dir={b}"], nproc=nproc)
     run(common + [f"--out_dir={b}", "--resume"], nproc=nproc)
-    name = "tp0_pp0_dp1.pt" if zero else "tp0_pp0.pt"
+    name = {False: "tp0_pp0.pt", True: "tp0_pp0_dp1.pt", "qwen2": "tp0_pp1.pt"}[zero]
     ca = torch.load(os.path.join(checkpoint.sets(a)[-1], name), weights_only=False)
     cb = torch.load(os.path.join(checkpoint.sets(b)[-1], name), weights_only=False)
     assert ca["iter"] == cb["iter"] == 6
     for k, v in ca["model"].items():
         assert torch.equal(v, cb["model"][k]), k
     assert losses(a)[0][3:] == losses(b)[0][3:]
-    if zero:
+    if zero is True:
         assert torch.equal(ca["optimizer"]["m"], cb["optimizer"]["m"]) and ca["optimizer"]["dp"] == [2, 1]
 
 
@@ -109,12 +110,22 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--beta1=1.0"], "beta1=1.0 must be in [0, 1)"),
     (["--beta2=1.0"], "beta2=1.0 must be in [0, 1)"),
     (["--timeout=0"], "timeout=0 must be >= 1"),
+    # the Qwen2 family's heads: whole key/value heads per TP rank, whole query groups per key/value head
+    (["--arch=llama"], "arch='llama': choose one of gpt2, qwen2"),
+    (["--arch=qwen2", "--n_head=4", "--n_kv_head=3"], "n_head=4 is not a multiple of n_kv_head=3"),
+    (["--arch=qwen2", "--tp=2", "--n_head=4", "--n_kv_head=1"], "n_kv_head=1 is not divisible by tp=2"),
+    (["--arch=qwen2", "--tp=4", "--n_head=6", "--n_kv_head=2", "--n_embd=96"], "n_head=6 is not divisible by tp=4"),
+    (["--arch=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
+    (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
+    (["--init_from=tests/fixtures/hf_qwen2_untied"], "holds a qwen2 model these settings do not describe: pass "
+                                                     "--arch=qwen2 --vocab_size=300"),
+    (["--init_from=tests"], "--init_from=tests: tests has no config.json"),
 ])
 def test_bad_config_is_refused_before_launch(args, message):
     """train.py's own checks, in this process (what train.main runs before anything starts)."""
     import config
     import train
-    world = 2 if "--pp=2" in args else 1
+    world = 4 if "--tp=4" in args else 2 if "--pp=2" in args or {"--tp=2", "--arch=qwen2"} <= set(args) else 1
     with pytest.raises(config.ConfigError) as e:
         config.check(config.parse(train.DEFAULTS, args), world)
     assert message in str(e.value)
