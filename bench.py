@@ -7,6 +7,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
     python bench.py host                                     # GPU: host time of one eager compressed all-reduce
     torchrun --nproc_per_node=2 bench.py collective nvlink   # GPUs: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
+    python bench.py hf configs/qwen2_5_0_5b.py               # GPU: our model vs transformers', TP=1, compiled
 """
 import argparse
 import contextlib
@@ -538,6 +539,79 @@ def bench_e2e(config, entries, nproc, extra, tag="e2e", profile_steps=5):
                  "tp wire MiB/step", "peak GiB", "loss"])
 
 
+# -----------------------------------------------------------------------------
+# one GPU, TP=1: our model against transformers' model of the same family and shape
+
+def _hf_model(mc, dev):
+    """transformers' model of our config's family and shape (Qwen2ForCausalLM / GPT2LMHeadModel), SDPA."""
+    import checkpoint
+    import transformers
+    cfg = checkpoint.hf_config(mc)
+    conf = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    return transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa").to(dev)
+
+
+def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
+    """Our model, built from `config`'s settings at TP=1, against transformers' model of the same family
+    and shape, on one GPU in one invocation, with the same loop: fp32 weights under bf16 autocast,
+    torch.compile, fused AdamW, gradient clipping at 1.0, the same random batch. Both stay resident;
+    each is timed twice in the order ours, theirs, theirs, ours, so the noise shows. Peak memory is a
+    block's peak less the other model's resident weights and optimizer state."""
+    import config as settings
+    import train
+    from model import GPT, GPTConfig
+    c = settings.parse(train.DEFAULTS, [config] + ([f"--batch_size={batch}"] if batch else []))
+    mc, dev = GPTConfig.from_settings(c), torch.device("cuda")
+    B, T = c["batch_size"], c["block_size"]
+    x = torch.randint(0, mc.vocab_size, (B, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    ours = GPT(mc, seed=0).to(dev)
+    theirs = _hf_model(mc, dev)
+    losses = {"ours": lambda m: m(x, y)[1],                                    # next-token loss on T positions
+              "transformers": lambda m: m(input_ids=x, labels=x).loss}       # HF shifts: T - 1 positions
+    runs = {}
+    for name, model in (("ours", ours), ("transformers", theirs)):
+        compiled, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+        def step(compiled=compiled, opt=opt, model=model, loss_of=losses[name]):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = loss_of(compiled)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        for _ in range(warmup):                                   # compiles, and fills AdamW's state
+            step()
+        torch.cuda.synchronize()
+        runs[name] = {"step": step, "resident": torch.cuda.memory_allocated()
+                      - sum(r["resident"] for r in runs.values()), "params": sum(p.numel() for p in model.parameters())}
+    flops = (6 * mc.num_params() + 12 * mc.n_layer * mc.n_embd * T) * B * T
+    rows = []
+    for name in ("ours", "transformers", "transformers", "ours"):
+        other = sum(r["resident"] for n, r in runs.items() if n != name)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = runs[name]["step"]()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / steps * 1e3
+        rows.append({"model": name, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
+                     "MFU %": round(flops / (ms / 1e3) / c["peak_flops"] * 100, 1),
+                     "peak GiB": round((torch.cuda.max_memory_allocated() - other) / 2 ** 30, 2),
+                     "params": runs[name]["params"], "loss": round(loss.item(), 4)})
+    mean = lambda n: sum(r["ms/step"] for r in rows if r["model"] == n) / 2
+    for r in rows:
+        r["vs transformers"] = f"{mean('transformers') / r['ms/step']:.3f}x"
+    save(f"hf_{tag}", rows, config=config, batch=B, seq=T, steps=steps, warmup=warmup,
+         note="the same loop for both (bf16 autocast over fp32 weights, torch.compile, fused AdamW, clipping); "
+              "MFU from our model's 6N + attention FLOPs per token against peak_flops; peak GiB: the block's "
+              "peak less the other model's resident memory; vs transformers: the mean of transformers' two "
+              "blocks over this block's ms")
+    table(rows, ["model", "ms/step", "vs transformers", "tok/s", "MFU %", "peak GiB", "params", "loss"])
+
+
 def split_at_dashes(argv):
     """(our arguments, the train.py overrides after a lone --)."""
     return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -564,6 +638,11 @@ def main(argv):
     e.add_argument("entries", help="comma-separated TP codecs or KEY=VALUE[/KEY=VALUE] settings; the first is the baseline")
     e.add_argument("--nproc", type=int, default=2)
     e.add_argument("--tag", default="e2e", help="results/e2e_<tag>.json; after a lone --: train.py overrides")
+    f = sub.add_parser("hf", help="GPU: our model vs transformers' of the same family and shape, TP=1, compiled")
+    f.add_argument("config")
+    f.add_argument("--steps", type=int, default=20)
+    f.add_argument("--batch", type=int, default=0, help="sequences per step (0: the config's batch_size)")
+    f.add_argument("--tag", default="hf", help="results/hf_<tag>.json")
     a = ap.parse_args(argv)
     if a.what == "kernels":
         bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")), dtype=a.dtype,
@@ -578,6 +657,10 @@ def main(argv):
         bench_host(tag=a.tag)
     elif a.what == "collective":
         bench_collective(tag=a.tag)
+    elif a.what == "hf":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.py hf needs a CUDA GPU (and transformers)")
+        bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag)
     else:
         bench_e2e(a.config, a.entries.split(","), a.nproc, train_args, a.tag)
 

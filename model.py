@@ -63,6 +63,16 @@ class GPTConfig:
     def padded_vocab(self):
         return -(-self.vocab_size // 128) * 128
 
+    def num_params(self, non_embedding=True):
+        """Parameters of the whole model (unsharded); non_embedding leaves out the lookups that are no
+        matmul (GPT-2's positions, an untied token embedding)."""
+        C, b, gpt2, qkv, I = self.n_embd, int(self.bias), self.arch == "gpt2", sum(self.qkv_sections), self.intermediate_size
+        nrm = C + b * C if gpt2 else C                                  # LayerNorm (+ bias) or RMSNorm
+        block = C * qkv + C * C + (3 - gpt2) * I * C + b * qkv + 2 * nrm + (b * (2 * C + I) if gpt2 else 0)
+        lookup = self.block_size * C if gpt2 else 0 if self.tie_embeddings else self.padded_vocab * C
+        n = (2 - self.tie_embeddings) * self.padded_vocab * C + gpt2 * self.block_size * C + self.n_layer * block + nrm
+        return n - (lookup if non_embedding else 0)
+
     @property
     def qkv_sections(self):      # the fused QKV's output sections [Q | K | V]
         return tuple(n * (self.n_embd // self.n_head) for n in (self.n_head, self.n_kv_head, self.n_kv_head))
@@ -338,16 +348,6 @@ class GPT(nn.Module):
                 m.bias.zero_()
             if isinstance(m, (nn.LayerNorm, RMSNorm)):
                 m.weight.fill_(1.0)
-
-    def num_params(self, non_embedding=True):
-        """Parameters of the whole model (all stages, unsharded), from the config; non_embedding leaves
-        out the lookups that are no matmul (GPT-2's positions, an untied token embedding)."""
-        c, C, b, gpt2 = self.config, self.config.n_embd, int(self.config.bias), self.config.arch == "gpt2"
-        nrm, qkv = C + b * C if gpt2 else C, sum(c.qkv_sections)        # LayerNorm (+ bias) or RMSNorm
-        vectors = b * qkv + 2 * nrm + (b * (2 * C + c.intermediate_size) if gpt2 else 0)    # per block
-        n = sum(math.prod(shape) for _, _, shape, _ in self.full_shapes()) + c.n_layer * vectors + nrm
-        lookup = c.block_size * C if gpt2 else 0 if c.tie_embeddings else c.padded_vocab * C
-        return n - (lookup if non_embedding else 0)
 
     # --- forward ---
     def forward(self, idx, targets=None, hidden=None):

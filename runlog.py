@@ -19,8 +19,8 @@ def banner(r):
         print(f"resumed from {r.resumed_from} (iteration {r.it0}, run {r.run_id})")
     if r.tp_auto:
         print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
-    print(f"model: {r.model.num_params() / 1e6:.2f} M parameters (non-embedding), "
-          f"{r.model.num_params(False) / 1e6:.2f} M in all")
+    print(f"model: {r.model.config.num_params() / 1e6:.2f} M parameters (non-embedding), "
+          f"{r.model.config.num_params(False) / 1e6:.2f} M in all")
 
 
 def step_line(r, it, mean, lr, dt, tokens, flops):

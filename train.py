@@ -188,7 +188,7 @@ def setup(cfg, model_hook=None):
     if c["init_from"]:                             # every rank reads its own slices of the tensors, one at a time
         checkpoint.shard_into(model, checkpoint.from_hf(checkpoint.hf_read(c["init_from"]), mc))
         if grid.rank == 0:
-            print(f"init_from: {c['init_from']} ({mc.arch}, {model.num_params(False) / 1e6:.1f}M parameters)")
+            print(f"init_from: {c['init_from']} ({mc.arch}, {mc.num_params(False) / 1e6:.1f}M parameters)")
     model = model.to(dev)
     if model_hook is not None:
         model_hook(model, comm, c)
@@ -332,7 +332,7 @@ def train(r):
     if master:
         runlog.banner(r)
     tokens = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] * grid.dp
-    flops = (6 * r.model.num_params() + 12 * c["n_layer"] * c["n_embd"] * c["block_size"]) * tokens
+    flops = (6 * r.model.config.num_params() + 12 * c["n_layer"] * c["n_embd"] * c["block_size"]) * tokens
     bar = jlog = None
     if master and c["progress"] and sys.stderr.isatty():
         from tqdm import tqdm

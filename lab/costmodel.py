@@ -30,11 +30,10 @@ import json
 import math
 import os
 import sys
-from types import SimpleNamespace
 
 import taco
 from bench import RESULTS, save, table
-from model import GPT, GPTConfig
+from model import GPTConfig
 
 LINKS = ("nvlink", "p2p_disabled")
 GPT1B = dict(n_layer=20, n_head=16, n_embd=2048, block_size=2048, bias=False, batch=8)   # configs/gpt1b.py
@@ -92,7 +91,7 @@ def shape(m):
     cfg = GPTConfig(n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"], block_size=m["block_size"],
                     bias=m["bias"])
     tokens = m["batch"] * m["block_size"]
-    flops = (6 * GPT.num_params(SimpleNamespace(config=cfg)) + 12 * m["n_layer"] * m["n_embd"] * m["block_size"]) * tokens
+    flops = (6 * cfg.num_params() + 12 * m["n_layer"] * m["n_embd"] * m["block_size"]) * tokens
     return flops, 4 * m["n_layer"] + 2, tokens * m["n_embd"] * 2 / 2 ** 20
 
 

@@ -67,8 +67,8 @@ def test_a_tp_group_must_sit_inside_one_node():
 
 
 @pytest.mark.parametrize("content, message", [
-    (b"", "holds 0 tokens"), (b"\x01\x02\x03", "odd number of bytes"), (b"\x01\x00" * 10, "holds 10 tokens"),
-    (b"\xff\xff" * 100, "token id 65535, outside the vocabulary of 50257"),
+    (b"", "holds 0 tokens"), (b"\x01\x02\x03", "not a whole number of uint16 tokens"), (b"\x01\x00" * 10, "holds 10 tokens"),
+    (b"\xff\xff" * 100, "token id 65535, outside the model's vocabulary of 50257"),
     (None, "is not a file of tokens (a folder?)"),
 ])
 def test_bad_data_files_are_refused_naming_the_file(tmp_path, content, message):
