@@ -14,6 +14,8 @@ initialisation uses). Hugging Face GPT-2 and Qwen2 folders convert to and from i
 time (hf_read, from_hf, to_hf, save_hf).
 """
 import atexit
+import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -42,25 +44,61 @@ def claim(out_dir, resume, overwrite, rank0):
                          f"--overwrite starts over (deleting them), or choose another --out_dir")
     if not rank0:
         return
-    os.makedirs(out_dir, exist_ok=True)
     lock, me = os.path.join(out_dir, "LOCK"), f"{socket.gethostname()} {os.getpid()}"
-    while True:
+    mine = f"{lock}.{os.getpid()}"
+    with os_errors(out_dir, "claim the out_dir"):
+        os.makedirs(out_dir, exist_ok=True)
+        with open(mine, "w") as f:                   # the owner written first, then linked in: never an empty LOCK
+            f.write(me)
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.write(fd, me.encode())
-            os.close(fd)
-            break
-        except FileExistsError:
-            with open(lock) as f:
-                host, _, pid = f.read().partition(" ")
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                os.remove(lock)                                   # its run is gone
-                continue
-            raise SystemExit(f"{out_dir} is in use by another run (process {pid or '?'} on {host or '?'}): choose "
-                             f"another --out_dir, or delete {lock} if that run is gone") from None
+            while not _linked(mine, lock):
+                try:
+                    with open(lock) as f:
+                        host, _, pid = f.read().partition(" ")
+                except FileNotFoundError:
+                    continue                                      # released meanwhile: try again
+                except OSError:
+                    host = pid = ""
+                if not (host and pid.isdigit()):                  # empty or unreadable: a claim cut short
+                    print(f"{lock} names no owner (a claim cut short, e.g. by a full disk): taking it over")
+                elif host != socket.gethostname() or _alive(int(pid)):
+                    raise SystemExit(f"{out_dir} is in use by another run (process {pid} on {host}): choose "
+                                     f"another --out_dir, or delete {lock} if that run is gone")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)                               # its run is gone
+        finally:
+            os.remove(mine)
     atexit.register(_release, lock, me)
     if overwrite and not resume:
         shutil.rmtree(os.path.join(out_dir, "ckpt"), ignore_errors=True)
+
+
+def _linked(src, dst):
+    """Link src to dst unless dst exists (atomic)."""
+    try:
+        os.link(src, dst)
+        return True
+    except FileExistsError:
+        return False
+
+
+FIXES = {errno.ENOSPC: "the disk is full: free space on it, or choose another --out_dir",
+         errno.EDQUOT: "the disk quota is used up: free space, or choose another --out_dir",
+         errno.EROFS: "the file system is read-only: choose another --out_dir",
+         errno.EACCES: "permission denied: choose a folder you may write, or change its permissions",
+         errno.ENAMETOOLONG: "a name in the path is too long (255 bytes a component): choose a shorter one"}
+
+
+@contextlib.contextmanager
+def os_errors(path, what):
+    """An OS error that a user can fix (a full disk, a read-only file system, a name too long) as one
+    line naming the path and the fix, instead of a traceback."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in FIXES:
+            raise
+        raise SystemExit(f"{e.filename or path}: cannot {what}: {FIXES[e.errno]}") from None
 
 
 def _alive(pid):
@@ -94,27 +132,42 @@ def new_run_id(grid):
     return ids[0]
 
 
+HASH_PIECE = 1 << 24                      # bytes read at a time to hash a file (a shard can be many GB)
+
+
 def sha256_of(path):
-    """The file's sha256, read in 16 MiB pieces (a shard can be many GB)."""
+    """The file's sha256, read HASH_PIECE bytes at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(1 << 24), b""):
+        for piece in iter(lambda: f.read(HASH_PIECE), b""):
             h.update(piece)
     return h.hexdigest()
 
 
 def write_file(obj, path):
-    """torch.save to path (through path.tmp: never half a file); returns its sha256."""
-    torch.save(obj, path + ".tmp")
+    """torch.save to path (through path.tmp: never half a file); returns its sha256. A write that fails
+    (torch.save reports a full disk as a RuntimeError) ends the run with one line; the previous set stays."""
+    try:
+        torch.save(obj, path + ".tmp")
+    except RuntimeError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        free = shutil.disk_usage(os.path.dirname(path) or ".").free / 2 ** 20
+        raise SystemExit(f"{path}: cannot write the checkpoint ({str(e).splitlines()[0][:120]}; {free:.0f} MiB free "
+                         f"on its disk): free space or choose another --out_dir; the previous complete set is kept") from None
     os.replace(path + ".tmp", path)
     return sha256_of(path)
 
 
+def _write_atomic(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def mark_complete(folder, meta):
     """COMPLETE: the set's iteration, layout, run id and {file: sha256}, written atomically."""
-    with open(os.path.join(folder, "COMPLETE.tmp"), "w") as f:
-        json.dump(meta, f)
-    os.replace(os.path.join(folder, "COMPLETE.tmp"), os.path.join(folder, "COMPLETE"))
+    _write_atomic(os.path.join(folder, "COMPLETE"), json.dumps(meta))
 
 
 META_KEYS = ("iter", "tp", "pp", "dp", "zero1", "run_id", "files")
@@ -137,6 +190,15 @@ def read_complete(folder):
     return meta
 
 
+def _read(path):
+    """A small text file's content, or "" where there is none."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def sets(out_dir, complete=True):
     """The checkpoint sets under out_dir, oldest first (only complete ones by default)."""
     found = sorted(glob.glob(os.path.join(out_dir, "ckpt", "iter_*")))
@@ -150,18 +212,21 @@ def save(r, it):
     folder = os.path.join(c["out_dir"], "ckpt", f"iter_{it:08d}")
     mine = None
     if grid.dp_rank == 0 or c["zero1"]:
-        os.makedirs(folder, exist_ok=True)
         name = shard_name(grid, c["zero1"])
-        mine = (name, write_file({"model": r.model.state_dict(), "optimizer": r.opt.state_dict(), "iter": it,
-                                  "config": c, "layout": [grid.tp, grid.pp], "run_id": r.run_id},
-                                 os.path.join(folder, name)))
+        with os_errors(folder, "save the checkpoint"):
+            os.makedirs(folder, exist_ok=True)
+            mine = (name, write_file({"model": r.model.state_dict(), "optimizer": r.opt.state_dict(), "iter": it,
+                                      "config": c, "layout": [grid.tp, grid.pp], "run_id": r.run_id},
+                                     os.path.join(folder, name)))
     every = [mine]
     if grid.world > 1:                           # also the barrier: every file is written from here on
         every = [None] * grid.world
         dist.all_gather_object(every, mine)
     if grid.rank == 0:
-        mark_complete(folder, {"iter": it, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero1": c["zero1"],
-                               "run_id": r.run_id, "files": dict(e for e in every if e)})
+        with os_errors(folder, "save the checkpoint"):
+            mark_complete(folder, {"iter": it, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero1": c["zero1"],
+                                   "run_id": r.run_id, "files": dict(e for e in every if e)})
+            _write_atomic(os.path.join(c["out_dir"], "RUN"), r.run_id)           # the out_dir's own run
         for old in sets(c["out_dir"], complete=False):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
@@ -192,13 +257,20 @@ def resume(r):
     be of the set's run, every rank must have loaded the same iteration, and the set's model and
     layout must be this run's. Sets r.run_id (the run goes on under its identity); returns the folder."""
     c, grid = r.cfg, r.grid
-    found = sets(c["out_dir"])
+    found = [c["resume_from"]] if c.get("resume_from") else sets(c["out_dir"])
     if not found:
         cut = [os.path.basename(s) for s in sets(c["out_dir"], complete=False)]
         hint = (f"only {', '.join(cut)}, cut short before its save finished: --overwrite starts over" if cut else
-                "start without --resume")
+                "start without --resume, or save on the way with --ckpt_interval")
         raise SystemExit(f"--resume: no complete checkpoint set under {c['out_dir']}/ckpt ({hint})")
     meta = read_complete(found[-1])
+    own = _read(os.path.join(c["out_dir"], "RUN"))
+    if own and meta["run_id"] != own and not c.get("resume_from"):
+        raise SystemExit(f"--resume: the newest set {found[-1]} is of run {meta['run_id']}, not of {c['out_dir']}'s "
+                         f"own run {own} (its RUN): take it on purpose with --resume_from={found[-1]}, or remove it")
+    if meta["iter"] >= c["max_iters"]:
+        raise SystemExit(f"--resume: {found[-1]} is at iteration {meta['iter']}, and max_iters={c['max_iters']}: "
+                         f"nothing left to train; pass a larger --max_iters")
     ck = load_file(os.path.join(found[-1], shard_name(grid, c["zero1"])), meta, r.dev)
     mine = (ck["iter"], [ck["config"].get(k, c[k]) for k in SHAPE_KEYS])    # a key older sets lack: as now
     if grid.world > 1:
@@ -310,6 +382,16 @@ def hf_names(name, mc):
         i, rest = name[2:].split(".", 1)
         return [block.format(i) + n for n in table[rest]]
     return table[name]
+
+
+def init_from(model, folder, rank0):
+    """A Hugging Face folder's weights into this rank's model (its slices, one tensor at a time)."""
+    try:
+        shard_into(model, from_hf(hf_read(folder), model.config))
+    except ValueError as e:
+        raise SystemExit(f"--init_from={folder}: {e}") from None
+    if rank0:
+        print(f"init_from: {folder} ({model.config.arch}, {model.config.num_params(False) / 1e6:.1f}M parameters)")
 
 
 def hf_model_config(folder):

@@ -218,6 +218,10 @@ def check(cfg, world, local_world=None):
                           f"{mc.n_embd // mc.n_head} must be even")
     if cfg["init_from"]:
         check_init_from(cfg["init_from"], mc)
+    if cfg["resume_from"] and not (cfg["resume"] and os.path.isfile(os.path.join(cfg["resume_from"], "COMPLETE"))):
+        raise ConfigError(f"resume_from={cfg['resume_from']!r} needs --resume and a complete checkpoint set "
+                          f"(a folder ckpt/iter_N holding COMPLETE)")
+    check_memory(cfg, mc, local_world or world)
     local_world = local_world or world
     if local_world % cfg["tp"]:
         raise ConfigError(f"tp={cfg['tp']} does not divide the {local_world} processes of a node (LOCAL_WORLD_SIZE): "
@@ -246,6 +250,23 @@ def check(cfg, world, local_world=None):
         except ValueError as e:
             raise ConfigError(f"{e} (python data/prepare.py {cfg['dataset']} writes it)") from None
     return dp
+
+
+def check_memory(cfg, mc, ranks_here):
+    """Refuse a micro-batch whose logits alone cannot fit, before anything is allocated: the loss holds
+    (batch_size, block_size, vocabulary/tp) fp32 values twice (the logits and their softmax)."""
+    need = cfg["batch_size"] * cfg["block_size"] * mc.padded_vocab // cfg["tp"] * 8
+    if cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available()):
+        have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    else:
+        with open("/proc/meminfo") as f:                     # MemAvailable, in kB, shared by this host's ranks
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) // ranks_here
+        where = f"the RAM available to each of {ranks_here} rank(s) here"
+    if need > have:
+        raise ConfigError(f"one micro-batch's logits alone need {need / 2 ** 30:.1f} GiB (batch_size={cfg['batch_size']} "
+                          f"x block_size={cfg['block_size']} x {mc.padded_vocab // cfg['tp']} vocabulary columns x 8 "
+                          f"bytes), more than the {have / 2 ** 30:.1f} GiB of {where}: lower --batch_size or "
+                          f"--block_size (gradient_accumulation_steps keeps the tokens per step)")
 
 
 def check_init_from(folder, mc):

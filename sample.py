@@ -125,14 +125,22 @@ def cli(argv=None):
     except ValueError as e:                                   # a folder that is not what it should be
         raise SystemExit(f"{a.path}: {e}") from None
     if a.cmd == "export":
-        checkpoint.save_hf(model, a.dest)
+        if os.path.exists(a.dest) and not os.path.isdir(a.dest):
+            raise SystemExit(f"{a.dest} is a file: export writes a folder (model.safetensors, config.json); "
+                             f"choose another destination")
+        with checkpoint.os_errors(a.dest, "export"):
+            checkpoint.save_hf(model, a.dest)
         print(f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})")
         return
     if a.temperature <= 0 or a.tokens < 0 or a.top_k < 0:
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")
     from data.tokenizer import get_encoding
     enc = get_encoding(tokenizer_of(model.config))
-    idx = torch.tensor([enc.encode_ordinary(a.prompt)] * a.num_samples, device=a.device)
+    ids = enc.encode_ordinary(a.prompt)
+    if max(ids, default=0) >= model.config.vocab_size:
+        raise SystemExit(f"the prompt's token ids reach {max(ids)}, past the model's vocabulary of "
+                         f"{model.config.vocab_size} ({enc.name}'s tokenizer): a prompt of other words, or the model's data")
+    idx = torch.tensor([ids] * a.num_samples, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
     out = generate(model, idx, a.tokens, a.temperature, a.top_k or None, gen)
     for row in out.tolist():

@@ -507,27 +507,27 @@ def _two_shot(x, group, cd, W, chunks, stats, async_op):
     return x
 
 
-_AGREED = set()
+_AGREED, _DTYPES = set(), [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
 def _check(x, group, cd, chunks=1):
-    """Refuse what the codecs cannot carry; on a codec's first use on a group, one small all-gather
-    checks that every rank uses the same codec (else each would decode the others' bytes wrongly)."""
-    if cd is IDENTITY:
-        return
-    if not x.is_floating_point():
+    """Refuse what the codecs cannot carry; the first time a group sees a codec, size and dtype, one small
+    all-gather checks that every rank passes the same (else a rank decodes the others' bytes wrongly)."""
+    if cd is not IDENTITY and not x.is_floating_point():
         raise TypeError(f"taco: a {x.dtype} tensor cannot go through the lossy {cd.name!r} codec; "
                         f"all-reduce it with torch.distributed (or codec='none')")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
-    key = (group or dist.group.WORLD, cd.name, getattr(cd, "B", 0))
-    if key not in _AGREED and dist.is_initialized() and dist.get_world_size(group) > 1:
-        mine = torch.tensor([codec_names().index(cd.name), key[2]], device=x.device)
+    key = (group or dist.group.WORLD, cd.name, getattr(cd, "B", 0), x.numel(), x.dtype)
+    if cd is not IDENTITY and key not in _AGREED and dist.is_initialized() and dist.get_world_size(group) > 1:
+        mine = torch.tensor([codec_names().index(cd.name), key[2], key[3], _DTYPES.index(x.dtype)], device=x.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         if any(not torch.equal(e, mine) for e in every):
-            raise RuntimeError(f"taco: the ranks of a group use different codecs or block sizes (this rank: "
-                               f"{cd.name!r}, B={key[2]}); every rank must pass the same codec")
+            said = "; ".join(f"rank {r}: {codec_names()[c]!r}, B={b}, {n} x {_DTYPES[d]}" for r, (c, b, n, d) in
+                             enumerate(e.tolist() for e in every))
+            raise RuntimeError(f"taco: the ranks of a group pass different codecs, block sizes, element counts or "
+                               f"dtypes to one collective ({said}); every rank must pass the same")
         _AGREED.add(key)
 
 

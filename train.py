@@ -70,7 +70,8 @@ eval_interval = 100             # evaluate train/val loss every N steps and at t
 eval_iters = 10                 # micro-batches per evaluation (a multiple of dp)
 log_interval = 10               # one log line (mean loss, ms, tok/s, wire bytes) every N steps
 ckpt_interval = 0               # 0: only at the end; -1: never
-resume = False                  # continue from out_dir's newest complete checkpoint set
+resume = False                  # continue from out_dir's newest complete checkpoint set (of out_dir's own run)
+resume_from = ""                # with resume: this set's folder instead (also another run's: it goes on as that run)
 progress = True                 # tqdm bar on rank 0 (only when the output is a terminal)
 sample_tokens = 120             # sample this many tokens at the end (0: none)
 sample_prompt = "\n"            # the text the sample starts from
@@ -152,26 +153,22 @@ def clip_grad_norm(params, max_norm, grid, zero=None):
 # -----------------------------------------------------------------------------
 # a run: processes, model, optimizer; one step; evaluation; the step line
 
-def setup(cfg, model_hook=None):
+def setup(c, model_hook=None):
     """Process groups, device, model, optimizer (and the resumed state): everything a step needs,
-    as one namespace. model_hook(model, comm, cfg), if given, may change the model before the optimizer
+    as one namespace. model_hook(model, comm, c), if given, may change the model before the optimizer
     sees its parameters (lab/emulate.py replaces the TP layers with emulated ones this way)."""
-    c = cfg
     use_cuda = c["device"] == "cuda" or (c["device"] == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     grid = parallel.init_grid(tp=c["tp"], pp=c["pp"], timeout=c["timeout"])
     dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     ptdtype = {"auto": torch.bfloat16 if use_cuda else torch.float32, "float32": torch.float32,
                "bfloat16": torch.bfloat16}[c["dtype"]]
     torch.manual_seed(c["seed"])
-    if use_cuda:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    tp_keys = ("tp_codec", "tp_codec_bwd", "tp_codec_embed", "tp_codec_attn", "tp_codec_mlp")
-    codecs = ([c[k] for k in tp_keys] * (grid.tp > 1)
-              + [c["dp_codec"], c["zero_codec"]] * (grid.dp > 1) + [c["pp_codec"], c["pp_codec_bwd"]] * (grid.pp > 1))
-    codecs = ["hint8" if k == "auto" else k for k in codecs]
-    if use_cuda and any(taco_kernels.supports(taco.get_codec(k, c["codec_block"])) for k in codecs if k):
+    ways = {"tp": grid.tp, "dp": grid.dp, "zero": grid.dp, "pp": grid.pp}   # a codec acts where its group has 2+ ranks
+    codecs = ["hint8" if v == "auto" else v for k, v in c.items() if "_codec" in k and v and ways[k.split("_")[0]] > 1]
+    if use_cuda and any(taco_kernels.supports(taco.get_codec(k, c["codec_block"])) for k in codecs):
         taco_kernels.load()                                  # every rank; local rank 0 builds first
     comm = parallel.TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, fwd_codec=c["tp_codec"],
                            bwd_codec=c["tp_codec_bwd"] or c["tp_codec"], embed_codec=c["tp_codec_embed"],
@@ -186,9 +183,7 @@ def setup(cfg, model_hook=None):
     mc = GPTConfig.from_settings(c)
     model = GPT(mc, comm, seed=None if c["init_from"] else c["seed"], stage=grid.pp_rank, stages=grid.pp)
     if c["init_from"]:                             # every rank reads its own slices of the tensors, one at a time
-        checkpoint.shard_into(model, checkpoint.from_hf(checkpoint.hf_read(c["init_from"]), mc))
-        if grid.rank == 0:
-            print(f"init_from: {c['init_from']} ({mc.arch}, {mc.num_params(False) / 1e6:.1f}M parameters)")
+        checkpoint.init_from(model, c["init_from"], grid.rank == 0)
     model = model.to(dev)
     if model_hook is not None:
         model_hook(model, comm, c)

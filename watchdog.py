@@ -2,7 +2,8 @@
 When a rank stops answering. A collective that waits longer than --timeout seconds raises (gloo:
 "Timed out ...", NCCL: DistBackendError); train.main then asks `stalled_exit` for the message the
 job ends with: the ranks that did not answer are named, and those on this host stopped, so that the
-whole job ends within timeout + 2 s instead of hanging (docs/RELIABILITY.md).
+whole job ends within timeout + STALL_WAIT s (and the processes' exit) instead of hanging
+(docs/RELIABILITY.md).
 """
 import os
 import signal
@@ -11,13 +12,15 @@ import time
 
 import torch.distributed as dist
 
+STALL_WAIT = 2.0         # seconds the ranks still running wait for the others to check in
+
 
 def timed_out(e):
     """Whether exception e is a collective's timeout (or NCCL's abort after one)."""
     return "timed out" in str(e).lower() or isinstance(e, dist.DistBackendError)
 
 
-def stop_stalled(grid, wait=2.0):
+def stop_stalled(grid, wait=STALL_WAIT):
     """After a collective timed out: the ranks that do not answer, stopped. Every rank still
     running checks in through the process group's store; a rank still missing after `wait` seconds
     is stalled, and one on this host is killed now (torchrun would wait 30 s for a stopped process

@@ -139,19 +139,33 @@ def test_single_process_emulation_is_bitwise_the_real_collective():
             assert torch.equal(real, emulated), codec
 
 
-def _mismatched_codecs(rank, world):
+def _mismatched(rank, world):
+    """Each case: what every rank passes (codec, block size, elements, dtype); one rank differs."""
+    cases = [[("hint8", 256, 1000, torch.float32), ("taco", 256, 1000, torch.float32)],
+             [("hint8", 256, 1000, torch.float32), ("hint8", 128, 1000, torch.float32)],
+             [("hint8", 256, 1000, torch.float32), ("hint8", 256, 1010, torch.float32)],   # pad to one length
+             [("hint8", 256, 1000, torch.float32), ("hint8", 256, 1000, torch.bfloat16)]]
+    if world == 3:
+        cases = [[("hint8", 256, 1000, torch.float32)] * 2 + [("hint8", 256, 1100, torch.float32)]]
     out = []
-    for codecs, blocks in ((["hint8", "taco"], [256, 256]), (["hint8", "hint8"], [256, 128])):
+    for case in cases:
+        codec, block, n, dtype = case[rank]
         try:
-            taco.all_reduce(torch.ones(1000), codec=codecs[rank], block_size=blocks[rank])
+            taco.all_reduce(torch.ones(n, dtype=dtype), codec=codec, block_size=block)
             out.append("no error")
         except RuntimeError as e:
             out.append(str(e))
     return out
 
 
-def test_ranks_with_different_codecs_are_told_so():
-    """Rank 0 passes hint8, rank 1 taco; then both hint8, with blocks of 256 and 128: both ranks
-    learn it on the codec's first use (instead of each decoding the other's bytes wrongly)."""
-    for msgs in run_ranks(_mismatched_codecs, 2):
-        assert len(msgs) == 2 and all("the ranks of a group use different codecs or block sizes" in m for m in msgs)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_are_told_so(world):
+    """Different codecs, block sizes, element counts (1000 and 1010 elements pad to the same message
+    length, so the bytes alone would sum silently) or dtypes: every rank raises, naming what each passed."""
+    for msgs in run_ranks(_mismatched, world):
+        assert all("the ranks of a group pass different codecs, block sizes, element counts or dtypes" in m
+                   for m in msgs), msgs
+    if world == 2:
+        assert "rank 0: 'hint8', B=256, 1000 x torch.float32; rank 1: 'hint8', B=256, 1010 x torch.float32" in msgs[2]
+    else:
+        assert "rank 2: 'hint8', B=256, 1100 x torch.float32" in msgs[0]

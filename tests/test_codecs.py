@@ -548,14 +548,14 @@ def test_float64_goes_through_at_fp32_precision(name):
     y = cd.roundtrip(x.double())
     assert y.dtype == torch.float64 and torch.equal(y, cd.roundtrip(x).double())
     big = torch.zeros(512, dtype=torch.float64)
-    big[3], big[300] = 1e300, float("inf")
+    big[3], big[5], big[300] = 1e300, -1e300, float("inf")
     out = cd.roundtrip(big)
     if cd.spec.scale == "tensor":
         assert out.isnan().all()                                     # one Inf: the whole message
     elif cd.spec.scale == "none" and not cd.spec.adaptive:
-        assert out[3] == 448.0 and out[300].isnan()                  # fp8: per element, saturating cast
-    else:
-        assert torch.isfinite(out[:256]).all() and out[3] > 1e38 and out[256:].isnan().all()
+        assert out[3] == 448.0 and out[5] == -448.0 and out[300].isnan()   # fp8: per element, saturating cast
+    else:                                                            # saturated at fp32's range, both signs
+        assert torch.isfinite(out[:256]).all() and out[3] > 1e38 and out[5] < -1e38 and out[256:].isnan().all()
 
 
 @pytest.mark.parametrize("name", ["hint8", "taco", "fp8"])

@@ -1,5 +1,6 @@
 """What holds when things go wrong: a stalled rank, a kill during a checkpoint save, a damaged
 file, a second run into the same out_dir, a run killed between checkpoints (docs/RELIABILITY.md)."""
+import errno
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import torch
 import checkpoint
 import parallel
 import train
+import watchdog
 from model import GPT
 from test_train import ROOT, TINY, run
 
@@ -41,7 +43,8 @@ def _rank_of(pid):
 def test_a_stalled_rank_stops_the_job_within_the_timeout(tmp_path):
     """Rank 1 is stopped (SIGSTOP: alive, silent) after a few steps; rank 0 waits in a collective
     for at most --timeout seconds, names rank 1 as the one that did not answer and stops it, and
-    the whole job has ended within timeout + 5 s of the stop (nothing here kills it by hand)."""
+    the whole job has ended within timeout + STALL_WAIT (the watchdog's wait for the others to check
+    in) + 5 s for the processes to exit, also under load (nothing here kills it by hand)."""
     timeout = 5
     log, outfile = tmp_path / "log.jsonl", tmp_path / "output.txt"
     with open(outfile, "w") as sink:
@@ -64,7 +67,7 @@ def test_a_stalled_rank_stops_the_job_within_the_timeout(tmp_path):
     out = outfile.read_text()
     assert p.returncode != 0, out[-3000:]
     assert f"did not complete within timeout={timeout} s: rank 1 did not answer and was stopped" in out, out[-3000:]
-    assert waited < timeout + 5, waited
+    assert waited < timeout + watchdog.STALL_WAIT + 5, waited
 
 
 def _run(out_dir, seed=0, run_id="a"):
@@ -181,3 +184,125 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path):
         assert f.read() == f"{socket.gethostname()} {os.getpid()}"
     checkpoint._release(lock, f"{socket.gethostname()} {os.getpid()}")
     assert not os.path.exists(lock)
+
+
+def test_a_resume_takes_only_the_out_dirs_own_run(tmp_path):
+    """A whole set of another run copied in as the newest: refused, naming its run and --resume_from;
+    with --resume_from it is taken on purpose and the run goes on as that run. And a resume with
+    nothing left to train (max_iters at or below the set's iteration) says so and stops."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    checkpoint.save(_run(mine), 4)
+    checkpoint.save(_run(other, seed=1, run_id="b"), 6)
+    foreign = mine / "ckpt" / "iter_00000006"
+    shutil.copytree(other / "ckpt" / "iter_00000006", foreign)
+    with pytest.raises(SystemExit, match=f"the newest set {foreign} is of run b, not of {mine}'s own run a "
+                                         f"\\(its RUN\\): take it on purpose with --resume_from={foreign}"):
+        checkpoint.resume(_run(mine))
+    r = _run(mine)
+    r.cfg["resume_from"] = str(foreign)
+    assert checkpoint.resume(r) == str(foreign) and (r.it0, r.run_id) == (6, "b")
+    shutil.rmtree(foreign)
+    r = _run(mine)
+    r.cfg["max_iters"] = 4
+    with pytest.raises(SystemExit, match="is at iteration 4, and max_iters=4: nothing left to train"):
+        checkpoint.resume(r)
+
+
+def _agreement(rank, world, folder, iters):
+    """Rank r resumes from a set whose file for r says iteration iters[r] (each file's checksum right)."""
+    cfg = dict(train.DEFAULTS, out_dir=folder, n_layer=1, n_head=2, n_embd=32, block_size=32, tp=world)
+    grid = parallel.Grid(rank=rank, world=world, tp=world, tp_rank=rank)
+    model = GPT(checkpoint.model_config(cfg), parallel.TPComm(group=torch.distributed.group.WORLD, size=world,
+                                                             rank=rank), seed=0)
+    r = SimpleNamespace(cfg=cfg, grid=grid, model=model, opt=torch.optim.AdamW(model.parameters()), dev="cpu")
+    ckpt = os.path.join(folder, "ckpt", "iter_00000004")
+    os.makedirs(ckpt, exist_ok=True)
+    sha = checkpoint.write_file({"model": model.state_dict(), "optimizer": r.opt.state_dict(), "iter": iters[rank],
+                                 "config": cfg, "layout": [world, 1], "run_id": "a"},
+                                os.path.join(ckpt, f"tp{rank}_pp0.pt"))
+    every = [None] * world
+    torch.distributed.all_gather_object(every, (f"tp{rank}_pp0.pt", sha))
+    if rank == 0:
+        checkpoint.mark_complete(ckpt, {"iter": 4, "tp": world, "pp": 1, "dp": 1, "zero1": False, "run_id": "a",
+                                        "files": dict(every)})
+    torch.distributed.barrier()
+    try:
+        return checkpoint.resume(r) and f"resumed at {r.it0}"
+    except SystemExit as e:
+        return str(e)
+
+
+def test_ranks_that_load_different_iterations_refuse_to_resume(tmp_path):
+    """Two TP ranks whose files (each matching its checksum) hold iterations 4 and 5: both refuse,
+    naming the disagreement; with the same iteration both resume."""
+    from launcher import run_ranks
+    bad = run_ranks(_agreement, 2, str(tmp_path / "bad"), [4, 5])
+    assert all("the ranks' checkpoint files disagree" in m for m in bad), bad
+    assert run_ranks(_agreement, 2, str(tmp_path / "good"), [4, 4]) == ["resumed at 4"] * 2
+
+
+def test_a_changed_byte_past_the_first_hashing_piece_is_found(tmp_path, monkeypatch):
+    """The checksum covers the whole file: with the piece size lowered to 1 KiB, a byte flipped in
+    the last piece of a shard is found."""
+    monkeypatch.setattr(checkpoint, "HASH_PIECE", 1024)
+    checkpoint.save(_run(tmp_path), 4)
+    f = tmp_path / "ckpt" / "iter_00000004" / "tp0_pp0.pt"
+    data = bytearray(f.read_bytes())
+    assert len(data) > 8 * 1024
+    data[-100] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="does not match the checksum in COMPLETE"):
+        checkpoint.resume(_run(tmp_path))
+
+
+def test_os_errors_are_one_line_naming_the_path_and_the_fix(tmp_path, monkeypatch):
+    """A full disk while saving (torch.save's RuntimeError), a read-only file system, a name over 255
+    bytes, an export onto a file, an empty LOCK: each a clear line (or a stale LOCK taken over)."""
+    r = _run(tmp_path)
+    checkpoint.save(r, 2)
+
+    def full(obj, path):
+        open(path, "wb").close()
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(SystemExit, match="cannot write the checkpoint .* free space or choose another --out_dir; "
+                                         "the previous complete set is kept"):
+        checkpoint.save(r, 4)
+    monkeypatch.undo()
+    assert _names(tmp_path) == ["iter_00000002"] and not list((tmp_path / "ckpt").glob("*/*.tmp"))
+
+    def read_only(path, *a, **kw):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'ro'}: cannot claim the out_dir: the file system is read-only"):
+        checkpoint.claim(str(tmp_path / "ro"), resume=False, overwrite=False, rank0=True)
+    monkeypatch.undo()
+    with pytest.raises(SystemExit, match="a name in the path is too long"):
+        checkpoint.claim(str(tmp_path / ("x" * 300)), resume=False, overwrite=False, rank0=True)
+    (tmp_path / "afile").write_text("")
+    import sample
+    with pytest.raises(SystemExit, match="afile is a file: export writes a folder"):
+        sample.cli(["export", os.path.join(ROOT, "tests", "fixtures", "hf_qwen2_tied"), str(tmp_path / "afile")])
+    lock = tmp_path / "locked" / "LOCK"
+    lock.parent.mkdir()
+    lock.write_text("")                                           # a claim cut short by a full disk
+    checkpoint.claim(str(lock.parent), resume=False, overwrite=False, rank0=True)
+    me = f"{socket.gethostname()} {os.getpid()}"
+    assert lock.read_text() == me and not list(lock.parent.glob("LOCK.*"))
+    checkpoint._release(str(lock), me)
+
+
+def test_init_from_weights_of_the_wrong_shape_end_without_a_traceback(tmp_path):
+    """A folder whose config.json matches the settings but whose tensors do not: one line, no traceback."""
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "hf_qwen2_tied"), src)
+    c = json.load(open(src / "config.json"))
+    json.dump(dict(c, intermediate_size=40), open(src / "config.json", "w"))
+    from test_cli import _tiny_vocab_data
+    _tiny_vocab_data(str(tmp_path / "tiny"), 300)
+    p = run(TINY + ["--arch=qwen2", "--vocab_size=300", "--n_head=4", "--intermediate_size=40", "--norm_eps=1e-6",
+                    "--rope_theta=1000.0", "--max_iters=1", f"--init_from={src}", f"--out_dir={tmp_path / 'out'}",
+                    "--dataset=tiny", f"--data_dir={tmp_path}"], check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
+    assert f"--init_from={src}: h.0.mlp.fc.weight: the weights hold shape (96, 32)" in out, out[-2000:]

@@ -117,6 +117,9 @@ def test_resume_is_bit_exact(tmp_path, zero):
     (["--arch=qwen2", "--tp=4", "--n_head=6", "--n_kv_head=2", "--n_embd=96"], "n_head=6 is not divisible by tp=4"),
     (["--arch=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
     (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
+    (["--block_size=50000"], "one micro-batch's logits alone need 299.8 GiB (batch_size=16 x block_size=50000 x "
+                             "50304 vocabulary columns x 8 bytes)"),
+    (["--resume_from=out/x/ckpt/iter_00000004"], "needs --resume and a complete checkpoint set"),
     (["--init_from=tests/fixtures/hf_qwen2_untied"], "holds a qwen2 model these settings do not describe: pass "
                                                      "--arch=qwen2 --vocab_size=300"),
     (["--init_from=tests"], "--init_from=tests: tests has no config.json"),
