@@ -237,8 +237,8 @@ def check(cfg, t):
         raise SystemExit(f"config error: TP={t} emulation runs on one process: tp=1, pp=1, taco_chunks=1, "
                          f"no sequence_parallel")
     try:
-        config.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"],
-                            vocab_size=GPTConfig().padded_vocab, n_layer=cfg["n_layer"])
+        config.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"], n_kv_head=cfg["n_kv_head"],
+                            vocab_size=GPTConfig.from_settings(cfg).padded_vocab, n_layer=cfg["n_layer"])
     except config.ConfigError as e:
         raise SystemExit(f"config error: TP={t} emulated: {e}")
 

@@ -150,3 +150,13 @@ def test_graph_replay_matches_eager():
         else:
             assert torch.equal(gg[n], g), n
     assert all(abs(a - b) <= 3e-4 * abs(a) for a, b in zip(eager, graph))
+
+
+def test_emulation_refuses_key_value_heads_it_cannot_split():
+    """Qwen2's grouped-query heads: TP=4 emulated needs n_kv_head divisible by 4, as real TP=4 does."""
+    import config
+    import train
+    cfg = config.parse(train.DEFAULTS, ["configs/study_qwen.py", "--n_kv_head=2", "--n_head=28"])
+    with pytest.raises(SystemExit, match="n_kv_head=2 is not divisible by tp=4"):
+        lab.emulate.check(cfg, 4)
+    lab.emulate.check(dict(cfg, n_kv_head=4), 4)
