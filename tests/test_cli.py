@@ -123,6 +123,7 @@ def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
     src, out, exported = tmp_path / "hf", tmp_path / "run", tmp_path / "exported"
     src.mkdir()
     torch.save(sd, src / "pytorch_model.bin")
+    json.dump(checkpoint.hf_config(GPTConfig(vocab_size=50257, **MC)), open(src / "config.json", "w"))
     run(TINY + ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=1", "--eval_interval=0",
                 "--learning_rate=0", "--min_lr=0", "--weight_decay=0", f"--init_from={src}", f"--out_dir={out}"],
         nproc=4)
