@@ -20,6 +20,7 @@ import glob
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -112,21 +113,35 @@ def text_paths(paths):
     return out
 
 
+class Documents:
+    """(name, text) documents read one at a time from paths, with their count (the progress bar's total)."""
+
+    def __init__(self, paths, extra=()):
+        self.paths, self.extra = paths, list(extra)
+
+    def __iter__(self):
+        return itertools.chain(((p, read(p)) for p in self.paths), self.extra)
+
+    def __len__(self):
+        return len(self.paths) + len(self.extra)
+
+
 def files_corpus(files, val_files, val_fraction):
-    """--files [--val_files], as (name, text) documents read one at a time: without val_files every
-    k-th document (k = 1/val_fraction) is held out; a lone file is cut at a paragraph boundary and
-    its last val_fraction held out."""
-    docs = lambda paths: ((p, read(p)) for p in paths)
+    """--files [--val_files]: without val_files every k-th document (k = 1/val_fraction) is held out;
+    where that is no whole document (fewer than k), the last one is cut at a paragraph boundary and its
+    last val_fraction held out, so the hold-out is never empty when there is text."""
     paths = text_paths(files)
     if val_files:
-        return docs(paths), docs(text_paths(val_files))
-    if len(paths) == 1:
-        text = read(paths[0])
-        cut = text.rfind("\n\n", 0, int(len(text) * (1 - val_fraction)))
-        cut = cut if cut > 0 else int(len(text) * (1 - val_fraction))
-        return [(paths[0], text[:cut])], [(paths[0] + " (end)", text[cut:].strip())]
+        return Documents(paths), Documents(text_paths(val_files))
     k = max(2, round(1 / val_fraction))
-    return docs(p for i, p in enumerate(paths) if i % k != k - 1), docs(p for i, p in enumerate(paths) if i % k == k - 1)
+    if len(paths) < k:
+        text = read(paths[-1])
+        cut = text.rfind("\n\n", 0, int(len(text) * (1 - val_fraction)))
+        cut = cut if cut > 0 else min(int(len(text) * (1 - val_fraction)), len(text) - 1)
+        return (Documents(paths[:-1], [(paths[-1], text[:cut])]),
+                Documents([], [(paths[-1] + " (end)", text[cut:].strip())]))
+    return (Documents([p for i, p in enumerate(paths) if i % k != k - 1]),
+            Documents([p for i, p in enumerate(paths) if i % k == k - 1]))
 
 
 def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc, tokenizer="gpt2"):
@@ -193,9 +208,21 @@ def doc_batches(docs, names, chars, tokenizer="gpt2", size=256):
 
 
 def write(name, train, val, out_root=HERE, tokenizer="gpt2"):
-    """train, val: iterables of (name, text) documents, or tokenised datasets (an `ids` column)."""
-    out = os.path.join(out_root, name)
-    os.makedirs(out, exist_ok=True)
+    """train, val: iterables of (name, text) documents, or tokenised datasets (an `ids` column). Written
+    into data/<name>.partial/, which becomes data/<name>/ only once complete (a failure leaves nothing)."""
+    final, out = os.path.join(out_root, name), os.path.join(out_root, name + ".partial")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    try:
+        _write(name, train, val, out, tokenizer)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(out, final)
+
+
+def _write(name, train, val, out, tokenizer):
     n_vocab = get_encoding(tokenizer).n_vocab
     dtype = np.uint16 if n_vocab <= 1 << 16 else np.uint32
     meta = {"tokenizer": tokenizer, "vocab_size": n_vocab, "dtype": np.dtype(dtype).name}
@@ -207,10 +234,12 @@ def write(name, train, val, out_root=HERE, tokenizer="gpt2"):
             meta[split] = {"documents": count, "tokens": tokens}
         else:
             names, chars = [], [0]
-            tokens, count = write_ids(path, doc_batches(docs, names, chars, tokenizer), None, split, dtype)
+            total = len(docs) if hasattr(docs, "__len__") else None
+            tokens, count = write_ids(path, doc_batches(docs, names, chars, tokenizer), total, split, dtype)
             meta[split] = {"documents": names, "chars": chars[0], "tokens": tokens}
         if tokens == 0:
-            raise SystemExit(f"{path}: no text in the {split} split")
+            raise SystemExit(f"data/{name}: no text in the {split} split (nothing was written): give more text, "
+                             f"--val_files, or a larger --val_fraction")
         print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens ({tokenizer}, {meta['dtype']})")
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)

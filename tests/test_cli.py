@@ -239,6 +239,24 @@ def test_prepare_text_files_and_folders(tmp_path):
     assert get_encoding().decode(val) == "Document number 3. " * 19 + "Document number 3.<|endoftext|>"
 
 
+def test_prepare_holds_out_text_even_from_few_files_and_leaves_nothing_when_it_fails(tmp_path):
+    """Three files at the default 1%: no whole document is 1%, so the last one's tail is held out (never
+    an empty val.bin). A prepare that fails (a binary file among the texts) leaves no folder behind."""
+    from data import prepare
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"d{i}.txt").write_text("\n\n".join(f"Paragraph {j} of document {i}." for j in range(200)))
+    prepare.main(["mine", "--files", *sorted(map(str, texts.iterdir())), f"--out_root={tmp_path}"])
+    meta = json.load(open(tmp_path / "mine" / "meta.json"))
+    assert meta["val"]["documents"] == [str(texts / "d2.txt") + " (end)"] and meta["val"]["tokens"] > 0
+    assert meta["train"]["documents"] == [str(texts / f"d{i}.txt") for i in range(3)]
+    (texts / "a_blob.txt").write_bytes(b"ELF\0" * 10)              # the first document: read while writing
+    with pytest.raises(SystemExit, match="a binary file"):
+        prepare.main(["other", "--files", str(texts), f"--out_root={tmp_path}"])
+    assert not (tmp_path / "other").exists() and not (tmp_path / "other.partial").exists()
+
+
 def test_prepare_refuses_what_is_not_text_and_warns_on_what_is_not_utf8(tmp_path, capsys):
     from data import prepare
     with pytest.raises(SystemExit, match=f"{tmp_path / 'gone.txt'}: no such file or folder"):
