@@ -259,8 +259,11 @@ def check_memory(cfg, mc, ranks_here):
     if cfg["device"] == "cuda" or (cfg["device"] == "auto" and torch.cuda.is_available()):
         have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
     else:
-        with open("/proc/meminfo") as f:                     # MemAvailable, in kB, shared by this host's ranks
-            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) // ranks_here
+        try:                                                 # MemAvailable, in kB, shared by this host's ranks
+            with open("/proc/meminfo") as f:
+                have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) // ranks_here
+        except (OSError, StopIteration):                     # not Linux: nothing to compare with
+            return
         where = f"the RAM available to each of {ranks_here} rank(s) here"
     if need > have:
         raise ConfigError(f"one micro-batch's logits alone need {need / 2 ** 30:.1f} GiB (batch_size={cfg['batch_size']} "
