@@ -7,7 +7,10 @@ and refuses, before any process group or model exists, whatever cannot work, wit
 import ast
 import difflib
 import os
+import json
 import re
+import sys
+import time
 import traceback
 
 import torch
@@ -20,6 +23,22 @@ from model import ARCHS, GPTConfig
 
 class ConfigError(ValueError):
     """A configuration that cannot work; raised before any work starts, names the fix."""
+
+
+def refuse(message):
+    """End every rank of a launch whose settings were refused before it started: local rank 0 says
+    why, once per node, also in torchrun's failure summary (its error file); the others end quietly a
+    moment later, so that local rank 0 is the failure torchrun reports. The checks read only the
+    command line and this node, so every rank of a node refuses alike."""
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        time.sleep(1.0)
+        raise SystemExit(1)
+    print(message, file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    raise SystemExit(1)
 
 
 CHOICES = {"arch": ARCHS, "device": ("auto", "cpu", "cuda"), "dtype": ("auto", "float32", "bfloat16"),

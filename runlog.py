@@ -5,9 +5,61 @@ train.py calls these; `r` is its run state (train.setup).
 """
 import json
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
+
+
+class Output:
+    """Rank 0's banner, progress bar (only when the output is a terminal), log lines and log.jsonl
+    records; other ranks write nothing."""
+
+    def __init__(self, r):
+        self.master, self.bar, self.jlog = r.grid.rank == 0, None, None
+        if self.master:
+            banner(r)
+            self.jlog = open_log(r)
+            if r.cfg["progress"] and sys.stderr.isatty():
+                from tqdm import tqdm
+                self.bar = tqdm(total=r.cfg["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True,
+                                leave=False)
+
+    def step(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def line(self, text, record=None):
+        if self.master:
+            (self.bar.write if self.bar is not None else print)(text)
+            if record is not None:
+                self.jlog.write(json.dumps(record) + "\n")
+                self.jlog.flush()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Profile:
+    """--profile_steps=N: every rank's CUDA kernel timeline of the run's last N steps (write_trace)."""
+
+    def __init__(self, r):
+        self.r, self.prof = r, None
+
+    def before_step(self, it):
+        c = self.r.cfg
+        if self.r.use_cuda and c["profile_steps"] and it == max(self.r.it0, c["max_iters"] - c["profile_steps"]):
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.start()
+            self.t, self.it = time.time(), it
+
+    def finish(self):
+        if self.prof is not None:
+            torch.cuda.synchronize()
+            self.prof.stop()
+            write_trace(self.r, self.prof, self.r.cfg["max_iters"] - self.it, time.time() - self.t)
 
 
 def banner(r):

@@ -128,9 +128,16 @@ def cli(argv=None):
         if os.path.exists(a.dest) and not os.path.isdir(a.dest):
             raise SystemExit(f"{a.dest} is a file: export writes a folder (model.safetensors, config.json); "
                              f"choose another destination")
+        name = tokenizer_of(model.config)
+        covered = model.config.vocab_size >= {"gpt2": 50257, "qwen2": 151646}[name]
         with checkpoint.os_errors(a.dest, "export"):
             checkpoint.save_hf(model, a.dest)
-        print(f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})")
+            if covered:                       # AutoTokenizer.from_pretrained(dest) reads these
+                from data.tokenizer import save_hf
+                save_hf(name, a.dest, model.config.block_size)
+        print(f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})" +
+              (f", and {name}'s tokenizer (vocab.json, merges.txt, tokenizer_config.json)" if covered else
+               f"; no tokenizer: a vocabulary of {model.config.vocab_size} is no tokenizer's here"))
         return
     if a.temperature <= 0 or a.tokens < 0 or a.top_k < 0:
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")

@@ -10,7 +10,6 @@ Config (nanoGPT style): the globals below are the defaults, and `--help` prints 
 comments; a config file is plain assignments that override them, --key=value overrides after it
 (config.py reads both, type-checks them and refuses what cannot work before anything starts).
 """
-import json
 import math
 import os
 import sys
@@ -69,7 +68,7 @@ grad_clip = 1.0                 # clip the global gradient norm to this (0: no c
 eval_interval = 100             # evaluate train/val loss every N steps and at the end (0: never)
 eval_iters = 10                 # micro-batches per evaluation (a multiple of dp)
 log_interval = 10               # one log line (mean loss, ms, tok/s, wire bytes) every N steps
-ckpt_interval = 0               # 0: only at the end; -1: never
+ckpt_interval = 0               # 0: at every evaluation, the end and on SIGINT/SIGTERM; N: every N steps; -1: never
 resume = False                  # continue from out_dir's newest complete checkpoint set (of out_dir's own run)
 resume_from = ""                # with resume: this set's folder instead (also another run's: it goes on as that run)
 progress = True                 # tqdm bar on rank 0 (only when the output is a terminal)
@@ -134,8 +133,8 @@ def clip_grad_norm(params, max_norm, grid, zero=None):
         grads = [p for p in params if p.grad is not None and not getattr(p, "pp_tied_copy", False)]
         split = [p.grad for p in grads if getattr(p, "tp_split", False)]
         repl = [p.grad for p in grads if not getattr(p, "tp_split", False)]
-        sq = torch.stack([g.float().pow(2).sum() for g in split]).sum() if split else torch.zeros((), device=dev)
-        repl_sq = torch.stack([g.float().pow(2).sum() for g in repl]).sum() if repl else 0.0
+        sq = torch.stack(torch._foreach_norm(split)).square().sum() if split else torch.zeros((), device=dev)
+        repl_sq = torch.stack(torch._foreach_norm(repl)).square().sum() if repl else 0.0   # a few fused kernels
     if grid.tp > 1:
         dist.all_reduce(sq, group=grid.tp_group)
     sq = sq + repl_sq
@@ -144,9 +143,7 @@ def clip_grad_norm(params, max_norm, grid, zero=None):
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
     if zero is None and max_norm > 0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device))
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
     return norm, coef
 
 
@@ -309,7 +306,10 @@ def main(argv=None, model_hook=None):
     if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
         print(config.help_text(__file__))
         return
-    c = start(sys.argv[1:] if argv is None else argv)
+    try:
+        c = start(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:                    # refused before launch: said once per node, no traceback
+        config.refuse(e.code) if isinstance(e.code, str) else sys.exit(e.code)
     r = setup(c, model_hook)
     try:
         train(r)
@@ -323,63 +323,50 @@ def main(argv=None, model_hook=None):
 
 
 def train(r):
-    c, grid, master = r.cfg, r.grid, r.grid.rank == 0
-    if master:
-        runlog.banner(r)
+    c, grid = r.cfg, r.grid
     tokens = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"] * grid.dp
     flops = (6 * r.model.config.num_params() + 12 * c["n_layer"] * c["n_embd"] * c["block_size"]) * tokens
-    bar = jlog = None
-    if master and c["progress"] and sys.stderr.isatty():
-        from tqdm import tqdm
-        bar = tqdm(total=c["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False)
-    log = bar.write if bar is not None else print
-    if master:
-        jlog = runlog.open_log(r)                           # machine-readable log
-    record = lambda kv: jlog and (jlog.write(json.dumps(kv) + "\n"), jlog.flush())
-    t0, loss_sum, nsum, prof = time.time(), 0.0, 0, None
+    out, prof, stop = runlog.Output(r), runlog.Profile(r), watchdog.Stop(grid.rank == 0)
+    t0, loss_sum, nsum = time.time(), 0.0, 0
     for it in range(r.it0, c["max_iters"]):
-        if r.use_cuda and c["profile_steps"] and it == max(r.it0, c["max_iters"] - c["profile_steps"]):
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            prof.start()
-            t_prof, it_prof = time.time(), it
+        prof.before_step(it)
         loss, gnorm, lr = train_step(r, it)
         # the loss stays on the device (float64, as a Python float would sum it): no host sync in a
         # step; the host reads it only on the steps below, so it can prepare the next step meanwhile
         loss_sum, nsum = loss_sum + loss.detach().double(), nsum + 1
-        if bar is not None:
-            bar.update(1)
+        out.step()
         last = it + 1 == c["max_iters"]
         logging = (it + 1) % c["log_interval"] == 0 or it == 0
         evaluating = c["eval_interval"] and ((it + 1) % c["eval_interval"] == 0 or last)
-        saving = c["ckpt_interval"] >= 0 and ((c["ckpt_interval"] and (it + 1) % c["ckpt_interval"] == 0) or last)
+        saving = c["ckpt_interval"] >= 0 and (last or ((it + 1) % c["ckpt_interval"] == 0 if c["ckpt_interval"]
+                                                       else evaluating))
+        stopping = 0
         if logging or evaluating or saving:
             mean = (loss_sum / nsum).item()                  # NaN in any step since the last log line shows here
             if not math.isfinite(mean):
                 raise SystemExit(f"step {it + 1}: loss is {mean} (gradient norm {gnorm.item():.3g}; checked every "
                                  f"log_interval={c['log_interval']} steps). Stopping. Try a lower --learning_rate, "
                                  f"--grad_clip, or --tp_codec=none to rule out the codec.")
+            stopping = stop.agreed(grid, r.dev)            # a signal on any rank: every rank saves here, then ends
+            evaluating, saving = evaluating and not stopping, saving or (stopping and c["ckpt_interval"] >= 0)
         if logging:
             if r.use_cuda:
                 torch.cuda.synchronize()
-            line, rec = runlog.step_line(r, it, mean, lr, (time.time() - t0) / nsum, tokens, flops)
-            if master:
-                log(line)
-                record(rec)
+            out.line(*runlog.step_line(r, it, mean, lr, (time.time() - t0) / nsum, tokens, flops))
             t0, loss_sum, nsum = time.time(), 0.0, 0
         if evaluating:
             ev = evaluate(r, it)
-            if master:
-                log(f"step {it + 1:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}")
-                record(dict(iter=it + 1, train_loss=ev["train"], val_loss=ev["val"]))
+            out.line(f"step {it + 1:6d} | train {ev['train']:.4f} | val {ev['val']:.4f}",
+                     dict(iter=it + 1, train_loss=ev["train"], val_loss=ev["val"]))
             t0 = time.time()
         if saving:
             checkpoint.save(r, it + 1)
-    if bar is not None:
-        bar.close()
-    if prof is not None:
-        torch.cuda.synchronize()
-        prof.stop()
-        runlog.write_trace(r, prof, c["max_iters"] - it_prof, time.time() - t_prof)
+        if stopping:
+            out.line(f"stopped at step {it + 1}" + ("; continue with --resume" if saving else ""))
+            raise SystemExit(128 + stopping)
+    stop.restore()
+    out.close()
+    prof.finish()
     if c["sample_tokens"] > 0:
         from sample import print_sample
         print_sample(r.model, c["sample_prompt"], c["sample_tokens"], r.grid, c["seed"], r.autocast,

@@ -1,4 +1,8 @@
 """
+What ends a run early. Ctrl-C (SIGINT) or SIGTERM: `Stop` notes it, the ranks agree on it at the
+next step where the host reads the loss anyway, every rank saves a last consistent checkpoint set,
+and the job ends; a second Ctrl-C ends it at once.
+
 When a rank stops answering. A collective that waits longer than --timeout seconds raises (gloo:
 "Timed out ...", NCCL: DistBackendError); train.main then asks `stalled_exit` for the message the
 job ends with: the ranks that did not answer are named, and those on this host stopped, so that the
@@ -10,9 +14,41 @@ import signal
 import socket
 import time
 
+import torch
 import torch.distributed as dist
 
 STALL_WAIT = 2.0         # seconds the ranks still running wait for the others to check in
+
+
+class Stop:
+    """SIGINT/SIGTERM handlers for the training loop. torchrun passes the signal it gets on to every
+    worker, and a terminal's Ctrl-C reaches them as well: a repeat within a second is that same
+    Ctrl-C; a second one later ends the process at once."""
+
+    def __init__(self, master):
+        self.master, self.signum, self.at = master, 0, 0.0
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signum and signum == signal.SIGINT and time.time() > self.at + 1.0:
+            os._exit(128 + signum)
+        if not self.signum:
+            self.signum, self.at = signum, time.time()
+            if self.master:
+                print(f"\n{signal.Signals(signum).name}: saving a checkpoint set after this step, then stopping "
+                      f"(Ctrl-C again: stop at once, without it)", flush=True)
+
+    def agreed(self, grid, device):
+        """The signal any rank got (0: none), the same on every rank: one small all-reduce."""
+        flag = torch.tensor([self.signum], device=device)
+        if grid.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
 
 
 def timed_out(e):

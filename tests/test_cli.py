@@ -4,6 +4,7 @@ a two-node launch, and the run's files (log.jsonl, out_dir)."""
 import ast
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -354,3 +355,31 @@ def test_kernel_watch_loop_reruns_in_a_fresh_child_at_every_save(tmp_path):
     rounds = [line.split() for line in log.read_text().splitlines()]
     assert [r[1] for r in rounds] == ["v0", "v1", "v2"] and all(r[2] == "['strided']" for r in rounds)
     assert len({r[0] for r in rounds} | {str(os.getpid())}) == 4 and state["in_parent"] == 0
+
+
+def _readme_demo():
+    """Command 1 of the README's quick start (nproc, args) and the losses its expected output shows."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    nproc, args = re.search(r"torchrun --nproc_per_node=(\d+) train.py (\S+)\n", text).groups()
+    shown = text.split("Expected output of command 1")[1].split("```")[1]
+    return int(nproc), [args], shown
+
+
+def _numbers(lines):
+    return [re.sub(r"\|\s+[\d.]+ ms\s+\|\s+\d+ tok/s", "", ln) for ln in lines]
+
+
+@pytest.mark.parametrize("steps", [10, pytest.param(200, marks=pytest.mark.slow)])
+def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
+    """The README's expected output of command 1 (its grid, model size and every loss line up to
+    `steps`; timings aside) is what a run of that very command prints: the default tier runs the
+    first 10 steps (the learning-rate schedule does not depend on max_iters), the slow tier all."""
+    nproc, args, shown = _readme_demo()
+    p = run(args + [f"--max_iters={steps}", f"--out_dir={tmp_path}", "--sample_tokens=0"], nproc=nproc)
+    printed = p.stdout.splitlines()
+    expect = [ln for ln in shown.splitlines() if ln.startswith(("grid:", "model:", "step"))
+              and (not ln.startswith("step") or int(ln.split()[1]) <= steps)]
+    assert len(expect) >= (3 if steps == 10 else 5)
+    for line in _numbers(expect):
+        assert line in _numbers(printed), (line, [ln for ln in printed if ln.startswith(line[:12])])

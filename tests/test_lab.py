@@ -11,15 +11,20 @@ import torch
 
 import bench
 from lab import analysis, costmodel
+from launcher import launch
 from test_train import ROOT, TINY
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def sh(cmd, **env):
-    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True,
-                       timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+def sh(cmd, check=True, **env):
+    """`python cmd` (a script or -m module: in the rank pool; -c code: a subprocess)."""
+    if cmd[0] == "-c":
+        p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True,
+                           timeout=600)
+    else:
+        p = launch(cmd[1], cmd[2:], env=env) if cmd[0] == "-m" else launch(cmd[0], cmd[1:], env=env)
+    assert p.returncode == 0 or not check, p.stdout[-2000:] + p.stderr[-2000:]
     return p
 
 
@@ -215,16 +220,13 @@ def test_site_errors_split_the_gradient_error(tmp_path):
 
 
 def test_emulation_refuses_what_it_cannot_emulate():
-    p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--taco_chunks=2", *TINY], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)
+    p = sh(["-m", "lab.emulate", "2", "--taco_chunks=2", *TINY], check=False)
     assert p.returncode != 0 and "tp=1, pp=1, taco_chunks=1" in p.stdout + p.stderr
-    p = subprocess.run([sys.executable, "-m", "lab.emulate", "2", "--graph", *TINY], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)
+    p = sh(["-m", "lab.emulate", "2", "--graph", *TINY], check=False)
     assert p.returncode != 0 and "--graph needs a CUDA GPU" in p.stdout + p.stderr
     if not torch.cuda.is_available():
         for what in ("overlap", "host"):
-            p = subprocess.run([sys.executable, "bench.py", what], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                               timeout=600)
+            p = sh(["bench.py", what], check=False)
             assert p.returncode != 0 and "needs a CUDA GPU" in p.stderr
 
 
@@ -240,6 +242,16 @@ def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
     assert rows[0]["real vs none"] == "+0.00%" and rows[1]["real vs none"] != "-"
     assert all(r["emulated val"] == "-" for r in rows)      # extra arguments: no study run to compare with
     assert abs(rows[1]["real val"] / rows[0]["real val"] - 1) < 0.05
+
+
+def test_curves_plot_train_and_validation_loss_into_the_runs_out_dir(tmp_path):
+    """The README's curves command: a run's out_dir in, out_dir/curves.png out, with the train loss
+    at every log line and the validation loss at every evaluation."""
+    out = tmp_path / "run"
+    sh(["train.py", *TINY, "--max_iters=6", "--eval_interval=3", f"--out_dir={out}"])
+    sh(["-m", "lab.analysis", "curves", str(out)])
+    assert os.path.getsize(out / "curves.png") > 10000
+    assert analysis.curves([str(out)], str(tmp_path / "again.png")) == [("run train", 6), ("run val", 2)]
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import unicodedata
 
 import pytest
 import torch
@@ -113,6 +114,26 @@ def test_qwen2_export_then_load_is_exact(tmp_path, name):
     for k in names:
         assert torch.equal(back[k], src(k)), k
     assert checkpoint.hf_model_config(str(dest)) == checkpoint.hf_model_config(QWEN[name])
+
+
+@pytest.mark.parametrize("arch, vocab", [("gpt2", 50257), ("qwen2", 151936)])
+def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, arch, vocab):
+    """An exported folder holds its tokenizer: Hugging Face's AutoTokenizer reads it and gives our
+    tokenizer's ids for the same text (English, digits, accents, CJK, emoji, runs of spaces) and
+    decodes them back to that text (Qwen2: NFC-normalised, as its tokenizer is)."""
+    transformers = pytest.importorskip("transformers")
+    src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
+    checkpoint.save_hf(GPT(GPTConfig(arch=arch, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32),
+                           seed=0), src)
+    sample.cli(["export", src, dest])
+    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(os.listdir(dest))
+    tok = transformers.AutoTokenizer.from_pretrained(dest)
+    text = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n  1234567 + 89 = ?\tnaïve café "
+            "Ünïcödé \u4e2d\u6587 \U0001F600 e\u0301 it's don't")
+    ids = get_encoding(arch).encode_ordinary(text)
+    assert tok(text)["input_ids"] == ids
+    assert tok.decode(ids) == (text if arch == "gpt2" else unicodedata.normalize("NFC", text))
+    assert tok.eos_token == "<|endoftext|>" and tok.model_max_length == 32
 
 
 def test_pytorch_model_bin_reads_like_safetensors(tmp_path):

@@ -70,6 +70,55 @@ def test_a_stalled_rank_stops_the_job_within_the_timeout(tmp_path):
     assert waited < timeout + watchdog.STALL_WAIT + 5, waited
 
 
+def _state(out_dir):
+    found = checkpoint.sets(out_dir)[-1]
+    return torch.load(os.path.join(found, "tp0_pp0.pt"), weights_only=False)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_a_last_set_and_the_resume_is_bit_exact(tmp_path, sig):
+    """Ctrl-C in a terminal: SIGINT reaches torchrun and both ranks at once (and torchrun passes it on
+    again); SIGTERM (a scheduler): torchrun alone gets it and passes it on. Either way every rank
+    stops at the same step, a complete set is saved there, and the job ends non-zero; --resume then
+    continues bit for bit as a run never interrupted does."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = SHORT + ["--tp=2", "--lr_decay_iters=100"]
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", *common,
+                          "--max_iters=100000", f"--out_dir={a}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not (a / "log.jsonl").exists() or
+                                          (a / "log.jsonl").read_text().count('"loss"') < 3):
+            time.sleep(0.1)
+        os.killpg(p.pid, sig) if sig == signal.SIGINT else p.send_signal(sig)
+        out = p.communicate(timeout=60)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    n = _state(a)["iter"]
+    assert p.returncode != 0 and n >= 3 and f"stopped at step {n}; continue with --resume" in out, out[-3000:]
+    assert "Traceback" not in out.split("stopped at step")[0], out[-3000:]
+    run(common + [f"--max_iters={n + 2}", f"--out_dir={a}", "--resume"], nproc=2)
+    run(common + [f"--max_iters={n + 2}", f"--out_dir={b}"], nproc=2)
+    ca, cb = _state(a), _state(b)
+    assert ca["iter"] == cb["iter"] == n + 2
+    assert all(torch.equal(v, cb["model"][k]) for k, v in ca["model"].items())
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    """The same Ctrl-C again within a second (the terminal's and torchrun's copy) only asks once; a
+    second one later ends the process at once, with 128 + SIGINT."""
+    code = ("import os, signal, time, watchdog; stop = watchdog.Stop(True); os.kill(os.getpid(), signal.SIGINT); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(1.2); print('still here', flush=True); "
+            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 128 + signal.SIGINT and time.time() - t0 < 20
+    assert "SIGINT: saving a checkpoint set after this step" in p.stdout and "still here" in p.stdout
+
+
 def _run(out_dir, seed=0, run_id="a"):
     """What checkpoint.save and resume see of a run (one process; a tiny model)."""
     cfg = dict(train.DEFAULTS, out_dir=str(out_dir), n_layer=1, n_head=2, n_embd=32, block_size=32, seed=seed)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import checkpoint
+from launcher import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
@@ -16,12 +17,8 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_
 
 
 def run(args, nproc=1, check=True, module=None):
-    """train.py (or `python -m module`, e.g. lab.tahquant) on nproc ranks."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    entry = ["-m", module] if module else ["train.py"]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *entry]
-           if nproc > 1 else [sys.executable, *entry])
-    p = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """train.py (or `python -m module`, e.g. lab.tahquant) on nproc ranks of the test's rank pool."""
+    p = launch(module or "train.py", args, nproc)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
@@ -137,6 +134,17 @@ def test_bad_config_is_refused_before_launch(args, message):
 def test_a_refused_config_ends_the_process_with_its_message():
     p = run(["--tp=2"], check=False)
     assert p.returncode != 0 and "config error: the world size 1 is not tp*pp*dp" in p.stderr + p.stdout
+
+
+def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_path):
+    """Two ranks refuse alike: rank 0 says why, once, with no traceback of ours, and its message is the
+    root cause in torchrun's summary; the other rank ends quietly."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", "--tp=3",
+                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("config error: the world size 2")]
+    assert p.returncode != 0 and len(said) == 1, p.stdout + p.stderr
+    assert "rank      : 0 (local_rank: 0)\n  exitcode  : 1" in p.stderr.split("Root Cause")[1]
+    assert "traceback : config error: the world size 2" in p.stderr and "train.py\", line" not in p.stderr
 
 
 def test_nan_loss_stops_the_run(tmp_path):
