@@ -8,6 +8,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
     torchrun --nproc_per_node=2 bench.py collective nvlink   # GPUs: taco.all_reduce vs NCCL bf16, 1..256 MB
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
     python bench.py hf configs/qwen2_5_0_5b.py               # GPU: our model vs transformers', TP=1, compiled
+    python bench.py peer --nanogpt=../shared/anchors         # GPU: train.py at TP=1 vs nanoGPT's bench loop
 """
 import argparse
 import contextlib
@@ -612,6 +613,80 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
     table(rows, ["model", "ms/step", "vs transformers", "tok/s", "MFU %", "peak GiB", "params", "loss"])
 
 
+# -----------------------------------------------------------------------------
+# one GPU, TP=1: train.py against nanoGPT's own bench loop (the peer) on the same shapes
+
+PEER_SHAPES = {"gpt2-small": dict(batch_size=12, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+               "1b": dict(batch_size=8, block_size=2048, n_layer=20, n_head=16, n_embd=2048)}
+# runs nanoGPT's bench_peer.py unchanged in its folder and adds its peak memory
+_PEER_RUNNER = ("import runpy, sys, torch; sys.argv = ['bench_peer.py'] + sys.argv[1:]; "
+                "runpy.run_path('bench_peer.py', run_name='__main__'); "
+                "print('peak bytes', torch.cuda.max_memory_allocated())")
+
+
+def _peer_nanogpt(folder, shape):
+    """nanoGPT's bench loop (10 steps of burn-in, then 20 timed; compiled, bf16 autocast, fused AdamW,
+    random tokens on the GPU): (ms/step, peak GiB)."""
+    import re
+    p = subprocess.run([sys.executable, "-c", _PEER_RUNNER, *[f"--{k}={v}" for k, v in shape.items()]], cwd=folder,
+                       capture_output=True, text=True, timeout=1200)
+    ms, peak = re.search(r"time per iteration: ([\d.]+)ms", p.stdout), re.search(r"peak bytes (\d+)", p.stdout)
+    if p.returncode or not ms:
+        raise SystemExit(f"{folder}/bench_peer.py failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    return float(ms.group(1)), int(peak.group(1)) / 2 ** 30
+
+
+def _peer_ours(shape, extra):
+    """train.py at TP=1 on the shape (no bias, no dropout, compiled, 30 steps): the mean of its log
+    lines at steps 20 and 30 (steps 11-30, as the peer's 20 after 10), and its peak GiB."""
+    out = os.path.join("out", "peer")
+    cmd = [sys.executable, "train.py", *[f"--{k}={v}" for k, v in shape.items()], "--bias=False", "--compile=True",
+           "--max_iters=30", "--log_interval=10", "--eval_interval=0", "--ckpt_interval=-1", "--sample_tokens=0",
+           "--progress=False", "--overwrite=True", f"--out_dir={out}", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    logs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"ms"' in line]
+    timed = [r for r in logs if r["iter"] in (20, 30)]
+    return sum(r["ms"] for r in timed) / len(timed), logs[-1]["peak_mem_gib"]
+
+
+def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_flops=989e12, tag="peer"):
+    """train.py at TP=1 against nanoGPT's bench loop on the same shapes, one GPU, one invocation: per
+    shape nanoGPT, ours, ours, nanoGPT (the noise shows), then each variant of ours once (train.py
+    settings, e.g. grad_clip=0.0: what a difference costs). MFU for both from the same FLOPs per
+    token (6N + attention, our count of the shape) against the H200's dense bf16 peak."""
+    from model import GPTConfig
+    folder = nanogpt if os.path.exists(os.path.join(nanogpt, "bench_peer.py")) else os.path.join(nanogpt, "nanogpt")
+    if not os.path.exists(os.path.join(folder, "bench_peer.py")):
+        raise SystemExit(f"{nanogpt}: no bench_peer.py there (a nanoGPT folder with it, or the folder above one)")
+    rows = []
+    for name in shapes:
+        shape = PEER_SHAPES[name]
+        B, T = shape["batch_size"], shape["block_size"]
+        mc = GPTConfig(**{k: v for k, v in shape.items() if k != "batch_size"}, bias=False)
+        flops = (6 * mc.num_params() + 12 * mc.n_layer * mc.n_embd * T) * B * T
+        runs = [("nanoGPT", lambda: _peer_nanogpt(folder, shape)), ("nanoTACO", lambda: _peer_ours(shape, extra))]
+        order = [runs[0], runs[1], runs[1], runs[0]] + [
+            (f"nanoTACO {v}", lambda v=v: _peer_ours(shape, [*extra, *(f"--{kv}" for kv in v.split("/"))]))
+            for v in variants]
+        for label, run in order:
+            ms, peak = run()
+            print(f"{name} {label}: {ms:.2f} ms/step, {peak:.2f} GiB", flush=True)
+            rows.append({"shape": name, "code": label, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
+                         "MFU %": round(flops / (ms / 1e3) / peak_flops * 100, 1), "peak GiB": round(peak, 2)})
+        mean = lambda c, n=name: sum(r["ms/step"] for r in rows if r["shape"] == n and r["code"] == c) / 2
+        for r in rows:
+            if r["shape"] == name:
+                r["vs nanoGPT"] = f"{mean('nanoGPT') / r['ms/step']:.3f}x"
+    save(tag, rows, shapes={n: PEER_SHAPES[n] for n in shapes}, peak_flops=peak_flops, extra=list(extra),
+         note="one invocation, one GPU: nanoGPT's bench_peer.py (its bench.py, the shape as settings; random tokens, "
+              "no clipping, loss.item() every step) and train.py at TP=1 (real batches, clipping at 1.0, logging); "
+              "each timed twice in the order nanoGPT, ours, ours, nanoGPT; vs nanoGPT = the mean of nanoGPT's two "
+              "runs over this run's ms/step")
+    table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "tok/s", "MFU %", "peak GiB"])
+
+
 def split_at_dashes(argv):
     """(our arguments, the train.py overrides after a lone --)."""
     return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -643,8 +718,18 @@ def main(argv):
     f.add_argument("--steps", type=int, default=20)
     f.add_argument("--batch", type=int, default=0, help="sequences per step (0: the config's batch_size)")
     f.add_argument("--tag", default="hf", help="results/hf_<tag>.json")
+    pe = sub.add_parser("peer", help="GPU: train.py at TP=1 vs nanoGPT's bench loop, same shapes, one invocation")
+    pe.add_argument("--nanogpt", required=True, help="a nanoGPT folder holding bench_peer.py, or the folder above it")
+    pe.add_argument("--shapes", default=",".join(PEER_SHAPES), help="of " + ", ".join(PEER_SHAPES))
+    pe.add_argument("--variants", default="", help="train.py settings to time once more each, e.g. grad_clip=0.0")
+    pe.add_argument("--tag", default="peer", help="results/<tag>.json; after a lone --: train.py overrides")
     a = ap.parse_args(argv)
-    if a.what == "kernels":
+    if a.what == "peer":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.py peer needs a CUDA GPU (both codebases time a GPU step)")
+        bench_peer(a.nanogpt, tuple(a.shapes.split(",")), tuple(v for v in a.variants.split(",") if v), train_args,
+                   tag=a.tag)
+    elif a.what == "kernels":
         bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")), dtype=a.dtype,
                       codecs=tuple(a.codecs.split(",")))
     elif a.what == "overlap":

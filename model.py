@@ -14,10 +14,8 @@ f and g are parallel.py's two operators: f is the identity forward and all-reduc
 gradient backward (it runs inside ColumnParallelLinear, fused with its matmul), g all-reduces the
 row-parallel partial sums forward. Their all-reduces are the ones taco.py compresses. The token
 embedding and the tied LM head are split over the vocabulary, and the loss is a vocab-parallel
-cross-entropy: full logits are never gathered.
-
-Built in a plain process (no TPComm given) the model is TP=1. Every weight is initialised at full
-size from the seed and then sliced, so TP=1 and TP=N start from identical parameters.
+cross-entropy: full logits are never gathered. Built in a plain process (no TPComm given) the model
+is TP=1. Every weight is drawn at full size from the seed and then sliced: TP=1 and TP=N start alike.
 """
 import math
 from dataclasses import dataclass, fields
@@ -59,9 +57,7 @@ class GPTConfig:
         """The model's shape from a run's settings (train.py's names, a subset of them suffices)."""
         return cls(**{f.name: c[f.name] for f in fields(cls) if f.name in c})
 
-    @property
-    def padded_vocab(self):
-        return -(-self.vocab_size // 128) * 128
+    padded_vocab = property(lambda self: -(-self.vocab_size // 128) * 128)    # rows of the embedding
 
     def num_params(self, non_embedding=True):
         """Parameters of the whole model (unsharded); non_embedding leaves out the lookups that are no
@@ -374,6 +370,9 @@ class GPT(nn.Module):
             assert not self.comm.sp, "the last position alone: not with sequence parallelism"
             return self.lm_head(self.ln_f(x)[:, -1:, :]), None                     # (B, 1, V/tp)
         logits = self.lm_head(self.ln_f(x))                                          # (B, T, V/tp)
+        if self.comm.size == 1:      # the whole vocabulary here: PyTorch's loss (torch.compile fuses it)
+            real = logits[..., :c.vocab_size].flatten(0, 1).float()                  # padding excluded
+            return logits, F.cross_entropy(real, targets.flatten(), ignore_index=-1)
         start = self.comm.rank * logits.shape[-1]                                   # this rank's first column
         loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
                                                start, c.vocab_size - start, self.comm.group)   # padding excluded
