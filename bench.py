@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import taco
-import taco_kernels
+import taco_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.environ.get("NANOTACO_RESULTS", os.path.join(ROOT, "results"))
@@ -158,7 +158,7 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
     dtype, next to a device-to-device copy of it (the ceiling) and the unfused PyTorch reference."""
     dt = getattr(torch, dtype)
     es = torch.empty((), dtype=dt).element_size()
-    taco_kernels.load()
+    taco_ext.load()
     rows = []
     for m in sizes_m:
         n = m * 2 ** 20
@@ -260,7 +260,7 @@ def bench_overlap(codecs=("hint8", "hint6", "taco"), shapes=tuple(OVERLAP_SHAPES
     first linear (4C/t x T by T x C), each alone and then together in several ways (OVERLAP_VARIANTS).
     Per row: the pair's time from the common start, against the matmul alone (the target: <= 1.05x)
     and against the two one after the other (serial: > 1.00x means overlapping lost time)."""
-    taco_kernels.load()
+    taco_ext.load()
     rows = []
     for shape in shapes:
         T, C, t = OVERLAP_SHAPES[shape]
@@ -351,7 +351,7 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", LOCAL_WORLD_SIZE="1").items():
         os.environ.setdefault(k, v)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    taco_kernels.load()
+    taco_ext.load()
     cd, rows = taco.get_codec("hint8"), []
     for mb in sizes_mb:
         x = torch.randn(mb * 2 ** 20 // 2, device="cuda", dtype=torch.bfloat16)
@@ -359,11 +359,11 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
         ws.all_reduce(x, cd, None, False)                    # the plan and the buffer
         plan = ws.plans[(x.numel(), cd)]
         for label, fn in (("hint8 symm all-reduce, eager", lambda: ws.all_reduce(x, cd, None, False)),
-                          ("  its binding call alone (a graph)", lambda: taco_kernels.all_reduce_peers(
+                          ("  its binding call alone (a graph)", lambda: taco_ext.all_reduce_peers(
                               x, plan, ws.side, True)),
-                          ("  the binding call, five launches", lambda: taco_kernels.all_reduce_peers(
+                          ("  the binding call, five launches", lambda: taco_ext.all_reduce_peers(
                               x, plan, ws.side, True, replay=False)),
-                          ("  one barrier launch", lambda: taco_kernels.barrier(ws.pads, 0, 0)),
+                          ("  one barrier launch", lambda: taco_ext.barrier(ws.pads, 0, 0)),
                           ("hint8 symm all-reduce, async + wait", lambda: ws.all_reduce(x, cd, None, True).wait()),
                           ("taco.all_reduce's checks before it", lambda: (taco._check(x, None, cd), taco_symm.workspace(
                               x, None, cd.kernel_ok(x), "auto"))),
@@ -437,7 +437,7 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    taco_kernels.load()
+    taco_ext.load()
     peers = os.environ.get("NCCL_P2P_DISABLE", "0") in ("", "0")
     rows = []
     for mb in sizes_mb:

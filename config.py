@@ -30,6 +30,8 @@ def refuse(message):
     why, once per node, also in torchrun's failure summary (its error file); the others end quietly a
     moment later, so that local rank 0 is the failure torchrun reports. The checks read only the
     command line and this node, so every rank of a node refuses alike."""
+    if not isinstance(message, str):                  # an exit code
+        raise SystemExit(message)
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
         time.sleep(1.0)
         raise SystemExit(1)

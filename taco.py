@@ -63,7 +63,7 @@ all-to-all is started before the first one is waited on. Inside one node the sam
 run with symmetric memory as the wire (taco_symm.py): the kernels read the peers' messages
 directly, two barriers instead of two NCCL calls, the same bytes and results.
 
-On CUDA tensors the fused kernels of taco_kernels.cu do steps 2, 4 and 6 (taco_kernels.py loads
+On CUDA tensors the fused kernels of taco_kernels.cu do steps 2, 4 and 6 (taco_ext.py loads
 them); everywhere else, and as their definition, the PyTorch reference in this file.
 """
 import math
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import taco_kernels
+import taco_ext
 import taco_symm
 from taco_symm import Pending
 
@@ -253,7 +253,7 @@ class Codec:
 
     def kernel_ok(self, t):
         """Whether the fused kernels run for tensor t (on a GPU, for a codec they are built for)."""
-        return t.is_cuda and os.environ.get("TACO_KERNELS", "1") != "0" and taco_kernels.supports(self)
+        return t.is_cuda and os.environ.get("TACO_KERNELS", "1") != "0" and taco_ext.supports(self)
 
     # === encode ===
     def encode(self, x, M, L):
@@ -261,7 +261,7 @@ class Codec:
         if x.dtype == torch.float64:            # codes come from fp32 values: a finite one past fp32's range saturates
             x = torch.where(x.isinf(), x, x.clamp(-FP32_MAX, FP32_MAX)).float()
         if self.kernel_ok(x):
-            return taco_kernels.encode(self, x, M, L)
+            return taco_ext.encode(self, x, M, L)
         return self._encode_ref(x, M, L)
 
     def _encode_ref(self, x, M, L, rotated=False):
@@ -333,7 +333,7 @@ class Codec:
             y = self.decode(buf, L, n, torch.float32).double()
             return y if out is None else out.copy_(y)
         if self.kernel_ok(buf):
-            return taco_kernels.decode(self, buf, L, n, odt, out)
+            return taco_ext.decode(self, buf, L, n, odt, out)
         big = torch.finfo(odt).max                                      # saturate, NaN stays NaN
         y = self._decode_ref(buf, L).reshape(-1)[:n].clamp(-big, big).to(odt)
         return y if out is None else out.copy_(y)
@@ -371,7 +371,7 @@ class Codec:
         rotation keeps a block's RMS). H is linear, so this is decode-sum-encode without the P + 1
         transforms per block, up to fp32 rounding. Unrotated codecs: the plain decode-sum-encode."""
         if self.kernel_ok(buf):
-            return taco_kernels.reduce_encode(self, buf, L)
+            return taco_ext.reduce_encode(self, buf, L)
         return self._encode_ref(rank_order_sum(self._decode_ref(buf, L, rotated=True)), 1, L, rotated=True)[0]
 
     # === whole tensors ===

@@ -9,7 +9,7 @@
 
 namespace taco_binding {       // also called by taco_symm.cu
 
-constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco_kernels.supports says which)";
+constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco_ext.supports says which)";
 
 int dtype_code(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kFloat32) return TACO_F32;

@@ -2,9 +2,9 @@
 //
 // Work split: a warp owns K = 4 blocks of B = 256 elements and runs them in lock step (all loads
 // issued first, then each stage for the K blocks: independent instructions that hide latency), and
-// loops over such groups, fetching the next group's input while it computes this one (decode into
-// registers; encode and the reduce step into shared memory, cp.async, which holds no registers).
-// A block is read from global memory once and written once.
+// loops over such groups, fetching the next group's input while it computes this one (decode and the
+// reduce step into registers; encode into shared memory, cp.async, which holds no registers: the loads,
+// stores and staging are in taco_kernels_io.cuh). A block is read from global memory once, written once.
 //
 // Where each lane keeps its 8 elements of a block (an element's index in the block is b7..b0):
 //   layout A: lane = b7..b3,          register = b2 b1 b0   (8 consecutive elements: the tensor's I/O)
@@ -24,11 +24,8 @@
 // makes the codes bit-identical to the PyTorch reference. Two shortcuts are exact and guarded (see
 // encode / decode): 1/sqrt(B) = 1/16 is a power of two, so it is folded into the block's scale where
 // no value can be subnormal or overflow; integers are rounded with the 1.5 * 2^23 trick and
-// converted back the same way.
-//
-// Plain CUDA: no PyTorch headers, so an edit here recompiles in seconds.
+// converted back the same way. Plain CUDA: no PyTorch headers, so an edit here recompiles in seconds.
 #include <cstdio>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -55,198 +52,16 @@ constexpr float C = 0.0625f;           // 1 / sqrt(B)
 constexpr float CB = C * B;            // sqrt(B): encode rotates x / B (no overflow), then scales by this
 constexpr float S_MIN = 0x1p-126f;     // the smallest block scale (1 / s stays finite)
 
-// --- loads and stores of 8 consecutive elements (dtype decided per call: a warp-uniform branch) ---
+#include "taco_kernels_io.cuh"   // loads, staging, conversions, stores; grid, occupancy, capture
 
-// 8 consecutive 16-bit elements as raw bits (zeros past n), and their values
-__device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i0) {
-  const unsigned short* p = static_cast<const unsigned short*>(x) + i0;
-  if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
-  unsigned w[4];
-  UNROLL for (int k = 0; k < 4; k++) {
-    const unsigned lo = i0 + 2 * k < n ? p[2 * k] : 0u, hi = i0 + 2 * k + 1 < n ? p[2 * k + 1] : 0u;
-    w[k] = lo | (hi << 16);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-__device__ __forceinline__ void unpack16(uint4 u, int dt, float v[E]) {
-  const unsigned w[4] = {u.x, u.y, u.z, u.w};
-  UNROLL for (int k = 0; k < 4; k++) {
-    if (dt == TACO_BF16) {
-      v[2 * k] = __uint_as_float(w[k] << 16);
-      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
-    } else {
-      float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
-      v[2 * k] = f.x;
-      v[2 * k + 1] = f.y;
-    }
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void unpack_group(const uint4 (&u)[N], int dt, float (&v)[N][E]) {
-  if (dt == TACO_BF16) {
-    UNROLL for (int k = 0; k < N; k++) unpack16(u[k], TACO_BF16, v[k]);
-  } else {
-    UNROLL for (int k = 0; k < N; k++) unpack16(u[k], TACO_F16, v[k]);
-  }
-}
-
-__device__ __forceinline__ void load8(const void* x, int dt, long long n, long long i0, float v[E]) {
-  if (dt != TACO_F32) return unpack16(fetch16(x, n, i0), dt, v);
-  const float* p = static_cast<const float*>(x) + i0;
-  if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-    float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-  } else {
-    UNROLL for (int j = 0; j < E; j++) v[j] = i0 + j < n ? p[j] : 0.f;
-  }
-}
-
-// Encode's input, copied into shared memory while the group before computes (cp.async: no registers
-// held, not through L1), from a 16-byte aligned x and whole blocks. Slots of 16 bytes, per warp and
-// block 32 (16-bit input: lane t copies the 16 bytes it will read, its 8 elements) or 64 (fp32: chunk
-// c of the block by lane c % 32, so that each copy instruction covers 512 contiguous bytes, into slot
-// c ^ ((c >> 3) & 1), so that a lane's reads of chunks 2t, 2t + 1 meet no bank conflict). `after`: a
-// zero computed from the values this warp last read from the slots: no copy is issued before those
-// reads have returned.
-__device__ __forceinline__ int f32_slot(int c) { return c ^ ((c >> 3) & 1); }
-
-template <bool F32>
-__device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after, const void* x, long long g0) {
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(st) + after;
-  UNROLL for (int k = 0; k < K; k++) {
-    UNROLL for (int r = 0; r < (F32 ? 2 : 1); r++) {
-      const int c = lane + 32 * r;
-      const long long e = g0 + k * B + (F32 ? 4 : 8) * c;                 // the chunk's first element
-      const char* src = static_cast<const char*>(x) + (F32 ? 4 : 2) * e;
-      const int slot = F32 ? k * 64 + f32_slot(c) : k * 32 + c;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * slot), "l"(src) : "memory");
-    }
-  }
-}
-
-// the staged group's values, layout A; returns `after`
-__device__ __forceinline__ unsigned unstage_group(const uint4* st, int lane, int dt, float (&v)[K][E]) {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncwarp();                                  // fp32: the chunks other lanes copied
-  unsigned after = 0u;
-  if (dt == TACO_F32) {
-    UNROLL for (int k = 0; k < K; k++) {
-      const uint4 a = st[k * 64 + f32_slot(2 * lane)], b = st[k * 64 + f32_slot(2 * lane + 1)];
-      const unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-      UNROLL for (int j = 0; j < E; j++) v[k][j] = __uint_as_float(w[j]);
-      after |= a.x | b.x;
-    }
-  } else {
-    uint4 u[K];
-    UNROLL for (int k = 0; k < K; k++) {
-      u[k] = st[k * 32 + lane];
-      after |= u[k].x;
-    }
-    unpack_group<K>(u, dt, v);
-  }
-  return after & (unsigned)(dt >> 2);            // dt < 4: a zero the compiler cannot see
-}
-
-// Of a message's nbs blocks, how many lie wholly inside a tensor whose rem elements from the message's
-// start on exist (rem may be <= 0), and how many hold any of them: 32-bit block indices from here on
-// (the host refuses L / B >= 2^30)
+// Of a message's nbs blocks, how many lie wholly inside a tensor whose rem (<= 0: none) elements from the
+// message's start on exist, and how many hold any: 32-bit block indices (the host refuses L / B >= 2^30)
 __device__ __forceinline__ int whole_blocks(long long rem, int nbs) {
   return rem <= 0 ? 0 : (int)min((long long)nbs, rem / B);
 }
 
 __device__ __forceinline__ int touched_blocks(long long rem, int nbs) {
   return rem <= 0 ? 0 : (int)min((long long)nbs, (rem + B - 1) / B);
-}
-
-// round to nearest even, a low; saturating: a value past the type's largest, Inf included, becomes
-// it, NaN stays NaN (the reference clamps to the largest finite value before its cast)
-__device__ __forceinline__ unsigned pack2(float a, float b, int dt) {
-  unsigned d;
-  if (dt == TACO_BF16) asm("cvt.rn.satfinite.bf16x2.f32 %0, %2, %1;" : "=r"(d) : "f"(a), "f"(b));
-  else asm("cvt.rn.satfinite.f16x2.f32 %0, %2, %1;" : "=r"(d) : "f"(a), "f"(b));
-  return d;
-}
-
-__device__ __forceinline__ float saturate(float v) {     // to fp32's largest finite value; NaN stays NaN
-  float d;
-  asm("max.NaN.f32 %0, %1, 0fFF7FFFFF;\n\tmin.NaN.f32 %0, %0, 0f7F7FFFFF;" : "=f"(d) : "f"(v));
-  return d;
-}
-
-// 8 values to out's elements i0 .. i0 + 7, those below n
-__device__ __forceinline__ void store8(void* out, int dt, long long n, long long i0, const float v[E]) {
-  if (dt == TACO_F32) {
-    float* p = static_cast<float*>(out) + i0;
-    if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-      reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-    } else {
-      UNROLL for (int j = 0; j < E; j++)
-        if (i0 + j < n) p[j] = v[j];
-    }
-  } else {
-    unsigned w[4];
-    UNROLL for (int k = 0; k < 4; k++) w[k] = pack2(v[2 * k], v[2 * k + 1], dt);
-    unsigned short* p = static_cast<unsigned short*>(out) + i0;
-    if (i0 + E <= n && (reinterpret_cast<uintptr_t>(p) & 15) == 0) {
-      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else {
-      UNROLL for (int j = 0; j < E; j++)
-        if (i0 + j < n) p[j] = (unsigned short)(w[j / 2] >> (16 * (j & 1)));
-    }
-  }
-}
-
-// c ? a : b, word by word as selects, and a 16-byte store that stays one (spelled out: docs/KERNELS.md)
-__device__ __forceinline__ unsigned pick(bool c, unsigned a, unsigned b) {
-  unsigned d;
-  asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
-      : "=r"(d) : "r"(a), "r"(b), "r"((unsigned)c));
-  return d;
-}
-
-__device__ __forceinline__ uint4 pick(bool c, uint4 a, uint4 b) {
-  return make_uint4(pick(c, a.x, b.x), pick(c, a.y, b.y), pick(c, a.z, b.z), pick(c, a.w, b.w));
-}
-
-__device__ __forceinline__ void st16(void* p, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
-// N blocks' values from this lane's element i0 on, nk of them real; whole: the group lies inside the
-// tensor and out is 16-byte aligned (the caller's one test per group, see whole_blocks): stores from one
-// address
-template <int N>
-__device__ __forceinline__ void store_group(void* out, int dt, bool whole, long long n, long long i0, int nk,
-                                            int lane, const float (&v)[N][E]) {
-  if (!whole) {
-    UNROLL for (int k = 0; k < N; k++)
-      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
-  } else if (dt == TACO_F32) {
-    // A lane's 8 values fill one 32-byte sector, but a store moves 16 bytes per lane: lanes 2i and 2i + 1
-    // swap halves first, so that each store writes whole sectors (the even lane's, then the odd's).
-    const bool odd = lane & 1;
-    float* p = static_cast<float*>(out) + i0 - 4 * odd;
-    UNROLL for (int k = 0; k < N; k++) {
-      const uint4 lo = make_uint4(__float_as_uint(v[k][0]), __float_as_uint(v[k][1]), __float_as_uint(v[k][2]),
-                                  __float_as_uint(v[k][3]));
-      const uint4 hi = make_uint4(__float_as_uint(v[k][4]), __float_as_uint(v[k][5]), __float_as_uint(v[k][6]),
-                                  __float_as_uint(v[k][7]));
-      const uint4 s = pick(odd, lo, hi);             // the even lane sends its high half, the odd its low
-      const uint4 r = make_uint4(__shfl_xor_sync(FULL, s.x, 1), __shfl_xor_sync(FULL, s.y, 1),
-                                 __shfl_xor_sync(FULL, s.z, 1), __shfl_xor_sync(FULL, s.w, 1));
-      st16(p + k * B, pick(odd, r, lo));
-      st16(p + k * B + E, pick(odd, hi, r));
-    }
-  } else {
-    uint4* p = reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + i0);
-    UNROLL for (int k = 0; k < N; k++)
-      p[k * (B / 8)] = make_uint4(pack2(v[k][0], v[k][1], dt), pack2(v[k][2], v[k][3], dt),
-                                  pack2(v[k][4], v[k][5], dt), pack2(v[k][6], v[k][7], dt));
-  }
 }
 
 // --- the Walsh-Hadamard transform: butterflies inside a lane, layout changes through shared memory -
@@ -840,51 +655,6 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
   }
 }
 
-// Reduce-encode's input, staged like encode's: per warp two buffers (this group's, the next one's) of P
-// segments, a segment = message i's KR payloads (16-byte chunks, one per lane) and their metadata words.
-template <int FMT>
-__host__ __device__ constexpr int red_segment() { return KR * payload_bytes<FMT>() + 16; }
-
-template <int FMT>
-__device__ __forceinline__ void stage_msgs(uint8_t* seg, const TacoMsgs& buf, int P, int first, int nk, int nbs,
-                                           int lane, const TacoParams& p) {
-  constexpr int pb = payload_bytes<FMT>();
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(seg);
-  for (int i = 0; i < P; i++) {
-    const uint8_t* msg = buf.base + i * p.S;
-    const unsigned at = dst + i * red_segment<FMT>();
-    if (lane < nk * (pb / 16))                  // chunk `lane` of the blocks' payloads
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at + 16 * lane),
-                   "l"(msg + (long long)first * pb + 16 * lane) : "memory");
-    const float* meta = reinterpret_cast<const float*>(msg + (long long)nbs * pb) + (long long)first * p.nmeta;
-    if (lane < nk * p.nmeta)                    // word `lane` of their metadata
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(at + KR * pb + 4 * lane), "l"(meta + lane)
-                   : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-// message i's blocks from its staged segment (as load_blocks reads them from global memory)
-template <int FMT>
-__device__ __forceinline__ void unstage_msg(Raw (&r)[KR], const uint8_t* seg, int lane, const TacoParams& p) {
-  constexpr int pb = payload_bytes<FMT>();
-  const float* meta = reinterpret_cast<const float*>(seg + KR * pb);
-  UNROLL for (int k = 0; k < KR; k++) {
-    if (FMT == TACO_INT6) {
-      const unsigned* w = reinterpret_cast<const unsigned*>(seg + k * pb + 6 * lane - 2 * (lane & 1));
-      const unsigned long long v = (w[0] | (unsigned long long)w[1] << 32) >> (16 * (lane & 1));
-      r[k].lo = (unsigned)v;
-      r[k].hi = (unsigned)(v >> 24);
-    } else {
-      const uint2 u = *reinterpret_cast<const uint2*>(seg + k * pb + 8 * lane);
-      r[k].lo = u.x;
-      r[k].hi = u.y;
-    }
-    r[k].s = p.scale_block ? meta[k * p.nmeta + p.nmeta - 1] : 1.f;
-    r[k].alpha = p.adaptive ? meta[k * p.nmeta] : 1.f;
-  }
-}
-
 // acc += r's blocks decoded up to the inverse rotation (v: room for them)
 template <int FMT, bool SCALE>
 __device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E], float (&acc)[KR][E], int lane,
@@ -894,100 +664,33 @@ __device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E
     UNROLL for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
 }
 
-// Staged when the warps loop over groups (a single pass has nothing to overlap; loaded directly, it is
-// faster) and the messages lie in one 16-byte aligned buffer (the peers' buffers of taco_symm.py are read
-// directly): the host's choice of kernel, and of shared memory.
-bool reduce_staged(const TacoMsgs& buf, int P, long long nbs, long long step) {
-  return nbs > step && !buf.n_ptr && !(reinterpret_cast<uintptr_t>(buf.base) & 15) &&
-         P <= TACO_MAX_PEERS;
-}
-
 // The sum is taken in the rotated domain (taco.Codec.reduce_encode): each message decoded up to, not
 // through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
 // transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs. Past
 // RED_CTAS_PER_SM CTAs per SM the grid is capped and each warp takes groups of KR blocks in turn, so
 // that its setup is paid once for them.
-template <int FMT, bool SCALE, bool STAGED>
+template <int FMT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
-  extern __shared__ __align__(16) uint8_t red_staged[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * KR;
   int first = (blockIdx.x * WARPS + warp) * KR;
   if (first >= nbs) return;
   float acc[KR][E], v[KR][E];
   Raw r[KR];
-  if constexpr (STAGED) {
-    constexpr int SEG = red_segment<FMT>();
-    uint8_t* const mine = red_staged + warp * 2 * P * SEG;
-    stage_msgs<FMT>(mine, buf, P, first, min(KR, nbs - first), nbs, lane, p);
-    for (int b = 0;; b ^= 1) {
-      const int nk = min(KR, nbs - first), next = first + step;
-      const bool more = next < nbs;
-      if (more) {
-        stage_msgs<FMT>(mine + (b ^ 1) * P * SEG, buf, P, next, min(KR, nbs - next), nbs, lane, p);
-        asm volatile("cp.async.wait_group 1;" ::: "memory");     // this group's, not the next one's
-      } else {
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
-      }
-      __syncwarp();                                                // the chunks other lanes copied
-      const uint8_t* seg = mine + b * P * SEG;
-      unstage_msg<FMT>(r, seg, lane, p);
-      decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
-      for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
-        unstage_msg<FMT>(r, seg + i * SEG, lane, p);
-        add_decoded<FMT, SCALE>(r, v, acc, lane, p);
-      }
-      encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
-      if (!more) break;
-      first = next;
-      __syncwarp();                              // buffer b's reads are done before it is refilled
+  for (; first < nbs; first += step) {
+    const int nk = min(KR, nbs - first);
+    Raw next[KR];
+    load_group<FMT, KR, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
+    if (P > 1)                                // before the math
+      load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
+    decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
+    for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
+      UNROLL for (int k = 0; k < KR; k++) r[k] = next[k];
+      if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
+      add_decoded<FMT, SCALE>(r, v, acc, lane, p);
     }
-  } else {
-    for (; first < nbs; first += step) {
-      const int nk = min(KR, nbs - first);
-      Raw next[KR];
-      load_group<FMT, KR, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
-      if (P > 1)                                // before the math
-        load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
-      decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
-      for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
-        UNROLL for (int k = 0; k < KR; k++) r[k] = next[k];
-        if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
-        add_decoded<FMT, SCALE>(r, v, acc, lane, p);
-      }
-      encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
-    }
+    encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
   }
-}
-
-// CTAs of `warps` warps for `blocks` blocks in groups of per_warp per warp: one group per warp, or, when
-// the warps loop over groups, at most per_sm CTAs per SM over the M messages (~2 waves for encode and
-// decode, ~4 for reduce-encode)
-unsigned grid(long long blocks, int per_warp, bool loop, long long per_sm, int M = 1, int warps = WARPS) {
-  const long long all = (blocks + warps * per_warp - 1) / (warps * per_warp);
-  if (!loop) return (unsigned)all;
-  static int sms[64] = {0};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 64 && !sms[dev]) cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
-  return (unsigned)max(1LL, min(all, (dev < 64 && sms[dev] ? sms[dev] : 132) * per_sm / M));
-}
-
-// CTAs of `kernel` an SM holds at once, with `smem` bytes of dynamic shared memory: the grid caps are
-// multiples of it, so that no wave runs part-empty. Asked once, outside a CUDA-graph capture (see
-// capturing); the grid does not change the results.
-template <typename Kernel>
-int resident(Kernel kernel, int threads, int smem) {
-  int n = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
-  return n > 0 ? n : 1;
-}
-
-// Whether st is being captured into a CUDA graph: then the launches ask the driver nothing (occupancy,
-// attributes) and take defaults until a launch outside a capture has asked.
-bool capturing(cudaStream_t st) {
-  cudaStreamCaptureStatus s = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(st, &s) != cudaSuccess || s != cudaStreamCaptureStatusNone;
 }
 
 // encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
@@ -1012,31 +715,17 @@ void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, cons
         buf, p, out, dt, n);
   } else {
     const unsigned g = grid(blocks, KR, true, RED_CTAS_PER_SM);
-    static int per_sm[TACO_MAX_PEERS + 1] = {};  // staged, by M; 0: not asked yet
-    if (reduce_staged(buf, M, blocks, (long long)g * WARPS * KR) && (per_sm[M] || !capturing(st))) {
-      // two buffers of M segments per warp: up to 67.6 KB per CTA, past the default 48 KB (a failure to
-      // allow it shows as the launch's error)
-      const int smem = WARPS * 2 * M * red_segment<FMT>();
-      if (!per_sm[M]) {
-        cudaFuncSetAttribute(reduce_encode_kernel<FMT, SCALE, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             WARPS * 2 * TACO_MAX_PEERS * red_segment<FMT>());
-        per_sm[M] = resident(reduce_encode_kernel<FMT, SCALE, true>, 32 * WARPS, smem);
-      }
-      const unsigned gs = grid(blocks, KR, true, 4 * per_sm[M]);                  // ~4 waves
-      reduce_encode_kernel<FMT, SCALE, true><<<gs, 32 * WARPS, smem, st>>>(buf, M, p, (uint8_t*)out);
-    } else {
-      reduce_encode_kernel<FMT, SCALE, false><<<g, 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
-    }
+    reduce_encode_kernel<FMT, SCALE><<<g, 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
   }
 }
 
-// The codecs of taco.CODECS that the kernels cover (taco_kernels.supports says the same): rotated
+// The codecs of taco.CODECS that the kernels cover (taco_ext.supports says the same): rotated
 // with a block scale in every format; E4M3 also rotated without a scale (ash), and unrotated with
 // (ds) or without (fp8) a block scale. False: not built.
 bool dispatch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
               cudaStream_t st) {
   const bool rot = p.rotate, scale = p.scale_block;
-  if (p.L / B >= (1LL << 30)) return false;    // block indices are 32-bit (taco_kernels.params refuses it)
+  if (p.L / B >= (1LL << 30)) return false;    // block indices are 32-bit (taco_ext.params refuses it)
   if (p.fmt == TACO_E4M3) {
     if (rot && scale) launch<TACO_E4M3, true, true>(op, x, dt, n, buf, M, p, out, st);
     else if (rot) launch<TACO_E4M3, true, false>(op, x, dt, n, buf, M, p, out, st);

@@ -10,7 +10,7 @@ enum TacoFmt { TACO_E4M3, TACO_E5M2, TACO_INT8, TACO_INT6 };
 enum TacoDType { TACO_F32, TACO_BF16, TACO_F16 };
 
 // A codec's parameters for messages of L elements. taco_binding.cpp exposes it as ext.Params with
-// these field names, and taco_kernels.params() fills it by name from a taco.Codec.
+// these field names, and taco_ext.params() fills it by name from a taco.Codec.
 struct TacoParams {
   TacoFmt fmt;        // the codes
   bool adaptive;      // alpha = tau / rms per block (Eq. 6-7)

@@ -26,7 +26,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-import taco_kernels
+import taco_ext
 
 _WORKSPACES = {}
 # one all-reduce size's views of the buffer, its kernel parameters, the messages' addresses, the
@@ -43,14 +43,14 @@ def shard(cd, n, W):
 def make_plan(cd, n, me, buf, ptrs, pads):
     """What rank me's all-reduce of n elements needs that depends only on (n, codec, buffer): my
     buffer buf (a uint8 tensor of at least (W + 1) * S bytes), every rank's buffer address (ptrs)
-    and signal pads (taco_kernels.signal_pads). Workspace makes one per size; a test makes two on
+    and signal pads (taco_ext.signal_pads). Workspace makes one per size; a test makes two on
     one GPU, ranks in one process."""
     W = len(ptrs)
     L, S = shard(cd, n, W)
-    return Plan(S=S, a=buf[:W * S], b=buf[W * S:(W + 1) * S], p=taco_kernels.params(cd, L),
-                mine=taco_kernels.messages([q + me * S for q in ptrs]),           # every A[me]
-                every=taco_kernels.messages([q + W * S for q in ptrs]),           # every B
-                pads=pads, me=me, replays=taco_kernels.replays())
+    return Plan(S=S, a=buf[:W * S], b=buf[W * S:(W + 1) * S], p=taco_ext.params(cd, L),
+                mine=taco_ext.messages([q + me * S for q in ptrs]),           # every A[me]
+                every=taco_ext.messages([q + W * S for q in ptrs]),           # every B
+                pads=pads, me=me, replays=taco_ext.replays())
 
 
 def workspace(x, group, has_kernels, transport):
@@ -81,8 +81,8 @@ def _why_not(x, group, has_kernels):
         return "the tensor is not on a GPU"
     if not has_kernels:
         return "the codec has no fused kernel (the B=256 block codecs have)"
-    if dist.get_world_size(group) > taco_kernels.MAX_PEERS:
-        return f"more than {taco_kernels.MAX_PEERS} ranks"
+    if dist.get_world_size(group) > taco_ext.MAX_PEERS:
+        return f"more than {taco_ext.MAX_PEERS} ranks"
     if env("LOCAL_WORLD_SIZE") is None:
         return "LOCAL_WORLD_SIZE is unset (torchrun sets it): cannot tell that the group is on one node"
     if _nodes(group or dist.group.WORLD, int(env("LOCAL_WORLD_SIZE"))) > 1:
@@ -130,7 +130,7 @@ class Workspace:
     Why no call can overwrite what a peer still reads: every read of an A comes before a barrier
     that its owner passes before writing A again; B is written only after the call's first
     barrier, which a peer reaches only after it finished reading the previous B. The barrier
-    (taco_kernels.barrier: the flags and protocol of symm_mem's own) consumes its signals (raise:
+    (taco_ext.barrier: the flags and protocol of symm_mem's own) consumes its signals (raise:
     0 -> 1 on the peer, lower: 1 -> 0 on mine), so a stale flag from an earlier call cannot
     satisfy a later one, also when a CUDA graph replays it.
     Growing the buffer is collective (every rank makes the same calls with the same sizes) and
@@ -163,7 +163,7 @@ class Workspace:
         self.buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         self.hdl = symm_mem.rendezvous(self.buf, self.group_name)
         self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
-        self.pads = taco_kernels.signal_pads([int(p) for p in self.hdl.signal_pad_ptrs])
+        self.pads = taco_ext.signal_pads([int(p) for p in self.hdl.signal_pad_ptrs])
 
     @torch.compiler.disable            # streams and raw addresses: run eagerly, also inside torch.compile
     def run(self, fn, async_op, then=None):
@@ -201,14 +201,14 @@ class Workspace:
         plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
         if stats is not None:
             stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_kernels.all_reduce_peers(flat, plan, self.side, join=not async_op)
+        taco_ext.all_reduce_peers(flat, plan, self.side, join=not async_op)
         if not async_op:
             if then is not None:
                 then()
             return None
 
         def done():
-            taco_kernels.join_stream(self.side)
+            taco_ext.join_stream(self.side)
             if then is not None:
                 then()
         return Pending(done)
@@ -254,9 +254,9 @@ class Workspace:
         out = torch.empty(self.W, L, dtype=torch.float32, device=self.device)
 
         def fn():
-            taco_kernels.encode(cd, x, M, L, into=self.buf[:M * S])
-            taco_kernels.barrier(self.pads, self.me, 0)
-            taco_kernels.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
-            taco_kernels.barrier(self.pads, self.me, 1)      # nobody rewrites its A before all have read it
+            taco_ext.encode(cd, x, M, L, into=self.buf[:M * S])
+            taco_ext.barrier(self.pads, self.me, 0)
+            taco_ext.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
+            taco_ext.barrier(self.pads, self.me, 1)      # nobody rewrites its A before all have read it
         self.run(fn, async_op=False)
         return out, S

@@ -25,7 +25,7 @@ import data_parallel
 import parallel
 import runlog
 import taco
-import taco_kernels
+import taco_ext
 import watchdog
 from data.loader import Batches, read_meta
 from model import GPT, GPTConfig
@@ -124,8 +124,7 @@ def clip_grad_norm(params, max_norm, grid, zero=None):
     parameters are summed over the TP group, replicated ones counted once, then every pipeline
     stage's sum is added (the last stage's copy of the tied embedding is not counted twice).
     Scales the gradients to norm <= max_norm; with ZeRO (`zero`, a data_parallel.ZeroAdamW) the squares
-    come from its DP-reduced gradient slices and the scale is applied in its step.
-    Returns (norm, scale)."""
+    come from its DP-reduced gradient slices and the scale is applied in its step. Returns (norm, scale)."""
     dev = params[0].device
     if zero is not None:
         sq, repl_sq = zero.reduce_grads()
@@ -165,8 +164,8 @@ def setup(c, model_hook=None):
     torch.manual_seed(c["seed"])
     ways = {"tp": grid.tp, "dp": grid.dp, "zero": grid.dp, "pp": grid.pp}   # a codec acts where its group has 2+ ranks
     codecs = ["hint8" if v == "auto" else v for k, v in c.items() if "_codec" in k and v and ways[k.split("_")[0]] > 1]
-    if use_cuda and any(taco_kernels.supports(taco.get_codec(k, c["codec_block"])) for k in codecs):
-        taco_kernels.load()                                  # every rank; local rank 0 builds first
+    if use_cuda and any(taco_ext.supports(taco.get_codec(k, c["codec_block"])) for k in codecs):
+        taco_ext.load()                                  # every rank; local rank 0 builds first
     comm = parallel.TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, fwd_codec=c["tp_codec"],
                            bwd_codec=c["tp_codec_bwd"] or c["tp_codec"], embed_codec=c["tp_codec_embed"],
                            block_size=c["codec_block"], chunks=c["taco_chunks"], min_bytes=c["taco_min_bytes"],
@@ -292,31 +291,29 @@ def evaluate(r, it):
 
 
 def start(argv):
-    """The resolved, checked settings (or the process ends with the reason), and out_dir claimed."""
+    """The resolved, checked settings, and out_dir claimed; a refusal ends every rank before launch,
+    said once per node without a traceback (config.refuse)."""
     try:
         c = config.parse(DEFAULTS, argv)
         config.check(c, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except config.ConfigError as e:
-        raise SystemExit(f"config error: {e}")
-    checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
+        checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
+    except (config.ConfigError, SystemExit) as e:
+        config.refuse(e.code if isinstance(e, SystemExit) else f"config error: {e}")
     return c
 
 
 def main(argv=None, model_hook=None):
-    if {"-h", "--help"} & set(sys.argv[1:] if argv is None else argv):
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
         print(config.help_text(__file__))
         return
-    try:
-        c = start(sys.argv[1:] if argv is None else argv)
-    except SystemExit as e:                    # refused before launch: said once per node, no traceback
-        config.refuse(e.code) if isinstance(e.code, str) else sys.exit(e.code)
-    r = setup(c, model_hook)
+    r = setup(start(argv), model_hook)
     try:
         train(r)
     except RuntimeError as e:
         if not watchdog.timed_out(e):
             raise
-        raise SystemExit(watchdog.stalled_exit(r.grid, c["timeout"], e)) from None
+        raise SystemExit(watchdog.stalled_exit(r.grid, r.cfg["timeout"], e)) from None
     if r.grid.world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -571,9 +571,9 @@ def test_non_float_and_overlapping_tensors_are_refused_and_chunks_checked(name):
 
 
 def test_kernel_params_refuse_a_message_past_32_bit_block_indices():
-    import taco_kernels       # the check comes before the extension is loaded, so it runs on a CPU too
+    import taco_ext       # the check comes before the extension is loaded, so it runs on a CPU too
     with pytest.raises(ValueError, match="at most 2\\^38"):
-        taco_kernels.params(taco.get_codec("hint8"), 2 ** 38)
+        taco_ext.params(taco.get_codec("hint8"), 2 ** 38)
 
 
 # --- the rounding rule: to nearest, ties to even, against independent definitions --------------

@@ -13,17 +13,17 @@ import pytest
 import torch
 
 import taco
-import taco_kernels
+import taco_ext
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-KERNEL_CODECS = [n for n in taco.CODECS if taco_kernels.supports(taco.get_codec(n))]
+KERNEL_CODECS = [n for n in taco.CODECS if taco_ext.supports(taco.get_codec(n))]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    return taco_kernels.load()
+    return taco_ext.load()
 
 
 def inputs(n, dtype, seed):
@@ -120,8 +120,8 @@ def test_grid_stride_loops_bit_exact(name, monkeypatch):
 
 
 FIRST_LAUNCH_IN_A_GRAPH = """
-import torch, taco, taco_kernels
-taco_kernels.load()
+import torch, taco, taco_ext
+taco_ext.load()
 cd, n = taco.get_codec("hint8"), 12 * 2 ** 20 + 5
 L = cd.padded(n)
 x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
@@ -194,14 +194,14 @@ def test_roundtrip_on_gpu_matches_cpu():
         assert same_values(cd.roundtrip(x.cuda()).cpu(), cd.roundtrip(x))
 
 
-KERNEL_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(taco_kernels.__file__)), f)
-                  for f in taco_kernels.SOURCES + ("taco_kernels.h",)]
+KERNEL_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(taco_ext.__file__)), f)
+                  for f in taco_ext.SOURCES + ("taco_kernels.h",)]
 
 
 def run_selected(names):
     """Build/load the extension, then run the parameterless tests whose names contain one of
     `names` (every one without names). Returns the number that failed."""
-    taco_kernels.load()
+    taco_ext.load()
     failed = 0
     for name, fn in sorted(globals().items()):
         if name.startswith("test_") and callable(fn) and fn.__code__.co_argcount == 0 \

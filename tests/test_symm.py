@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import taco
-import taco_kernels
+import taco_ext
 from launcher import run_ranks
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -31,7 +31,7 @@ def _fingerprint(x):
 
 
 def _symm_cases(rank, world):
-    taco_kernels.load()
+    taco_ext.load()
     out, fps = {}, []                 # fps: fingerprints of results, compared across ranks at the end
     # 1. all_reduce: symm == dist bit for bit; changing sizes (odd, growing, shrinking), codecs, dtypes
     cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 1000003, torch.bfloat16), ("hint6", 777, torch.float32),
@@ -144,7 +144,7 @@ def _one_rank_cases(rank, world):
     """On a 1-rank group (taco.all_reduce itself returns at once there), the workspace's
     all-reduce against _codec_steps."""
     import taco_symm
-    taco_kernels.load()
+    taco_ext.load()
     ws = taco_symm.Workspace(None, torch.device("cuda", 0))
     same = lambda u, v: torch.equal(_fingerprint(u), _fingerprint(v))
     out = {}
@@ -162,7 +162,7 @@ def _one_rank_cases(rank, world):
         ok = same(a, ref) and same(b, ref)
         a.copy_(x)
         ws.all_reduce(a, cd, None, async_op=False)           # the graph replayed
-        taco_kernels.all_reduce_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)   # five launches
+        taco_ext.all_reduce_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)   # five launches
         out[f"{codec} {n} {dtype}"] = (ok, same(a, ref) and same(c, ref))
     cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
     a, b = x.clone(), y.clone()                          # an eager call while an async one is unfinished: in order
@@ -200,11 +200,11 @@ def test_two_ranks_on_one_gpu():
     replayed) and as five launches; rank 0 waits at the barrier until rank 1 comes; every flag is
     lowered again, so calls repeat."""
     import taco_symm
-    taco_kernels.load()
+    taco_ext.load()
     W = 2
     bufs = [torch.zeros(1 << 23, dtype=torch.uint8, device="cuda") for _ in range(W)]
     pad_mem = [torch.zeros(2 * W, dtype=torch.int32, device="cuda") for _ in range(W)]   # channels 0, 1
-    pads = taco_kernels.signal_pads([p.data_ptr() for p in pad_mem])
+    pads = taco_ext.signal_pads([p.data_ptr() for p in pad_mem])
     streams = [torch.cuda.Stream() for _ in range(W)]
     sides = [(s.stream_id, s.device_index, s.device_type) for s in streams]
     cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 100_001, torch.float32), ("hint6", 3 * 4096 + 7,
@@ -219,12 +219,12 @@ def test_two_ranks_on_one_gpu():
         for how in ("graph captured", "graph replayed", "five launches"):
             for r in range(W):
                 ys[r].copy_(xs[r])
-                taco_kernels.all_reduce_peers(ys[r], plans[r], sides[r], join=False, replay=how != "five launches")
+                taco_ext.all_reduce_peers(ys[r], plans[r], sides[r], join=False, replay=how != "five launches")
                 if i == 0 and r == 0:
                     time.sleep(0.2)
                     assert not streams[0].query(), f"{how}: rank 0 passed the barrier alone"
             for side in sides:
-                taco_kernels.join_stream(side)
+                taco_ext.join_stream(side)
             torch.cuda.synchronize()
             for r in range(W):
                 same = torch.equal(_fingerprint(ys[r]), _fingerprint(ref))

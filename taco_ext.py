@@ -60,7 +60,7 @@ def load(verbose=False):
         _EXT = build_it()
     else:
         if not any(f.endswith(".so") for f in os.listdir(build)):
-            print(f"taco_kernels: building the CUDA kernels into {os.path.relpath(build)} (the first build takes "
+            print(f"taco_ext: building the CUDA kernels into {os.path.relpath(build)} (the first build takes "
                   f"about a minute; later ones only what changed)", flush=True)
         _EXT = build_it()
         if shared:
