@@ -25,16 +25,19 @@ class ConfigError(ValueError):
     """A configuration that cannot work; raised before any work starts, names the fix."""
 
 
+WAIT_FOR_RANK0 = 60.0    # seconds another local rank waits, after a refusal, for torchrun to stop it
+
+
 def refuse(message):
     """End every rank of a launch whose settings were refused before it started: local rank 0 says
-    why, once per node, also in torchrun's failure summary (its error file); the others end quietly a
-    moment later, so that local rank 0 is the failure torchrun reports. The checks read only the
-    command line and this node, so every rank of a node refuses alike."""
+    why, once per node, also in torchrun's failure summary (its error file). The checks read only the
+    command line and this node, so every rank of a node refuses alike: the others wait for torchrun to
+    stop them once local rank 0 has failed (however slow its start), so that it is the failure torchrun
+    reports; one still running after WAIT_FOR_RANK0 s (no torchrun, or local rank 0 went on) says why."""
     if not isinstance(message, str):                  # an exit code
         raise SystemExit(message)
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
-        time.sleep(1.0)
-        raise SystemExit(1)
+        time.sleep(WAIT_FOR_RANK0)
     print(message, file=sys.stderr, flush=True)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
