@@ -137,22 +137,9 @@ __device__ __forceinline__ void store8(void* out, int dt, long long n, long long
   }
 }
 
-// c ? a : b, word by word as selects, and a 16-byte store that stays one (spelled out: docs/KERNELS.md)
-__device__ __forceinline__ unsigned pick(bool c, unsigned a, unsigned b) {
-  unsigned d;
-  asm("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %3, 0;\n\tselp.b32 %0, %1, %2, p;\n\t}"
-      : "=r"(d) : "r"(a), "r"(b), "r"((unsigned)c));
-  return d;
-}
+__device__ __forceinline__ uint4 pick(bool c, uint4 a, uint4 b) { return c ? a : b; }
 
-__device__ __forceinline__ uint4 pick(bool c, uint4 a, uint4 b) {
-  return make_uint4(pick(c, a.x, b.x), pick(c, a.y, b.y), pick(c, a.z, b.z), pick(c, a.w, b.w));
-}
-
-__device__ __forceinline__ void st16(void* p, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
+__device__ __forceinline__ void st16(void* p, uint4 v) { *static_cast<uint4*>(p) = v; }   // one 16-byte store
 
 // N blocks' values from this lane's element i0 on, nk of them real; whole: the group lies inside the
 // tensor and out is 16-byte aligned (the caller's one test per group, see whole_blocks): stores from one
