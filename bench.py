@@ -342,7 +342,7 @@ def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0,
 
 def bench_host(sizes_mb=(4, 64), tag="host"):
     """One GPU, a 1-rank group: host microseconds to issue one eager compressed all-reduce over
-    symmetric memory (taco_symm.Workspace.all_reduce: one binding call that queues encode, barrier,
+    symmetric memory (taco_symm.Workspace.two_shot: one binding call that queues encode, barrier,
     reduce, barrier, decode as one CUDA graph), sync and async, that binding call alone, with five
     launches instead of the graph, and one barrier launch, plus the checks taco.all_reduce makes
     before it (on one rank taco.all_reduce itself returns at once); next to NCCL's all-reduce and
@@ -356,15 +356,15 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
     for mb in sizes_mb:
         x = torch.randn(mb * 2 ** 20 // 2, device="cuda", dtype=torch.bfloat16)
         ws = taco_symm.workspace(x, None, True, "symm")
-        ws.all_reduce(x, cd, None, False)                    # the plan and the buffer
+        ws.two_shot(x, cd, None, False)                    # the plan and the buffer
         plan = ws.plans[(x.numel(), cd)]
-        for label, fn in (("hint8 symm all-reduce, eager", lambda: ws.all_reduce(x, cd, None, False)),
-                          ("  its binding call alone (a graph)", lambda: taco_ext.all_reduce_peers(
+        for label, fn in (("hint8 symm all-reduce, eager", lambda: ws.two_shot(x, cd, None, False)),
+                          ("  its binding call alone (a graph)", lambda: taco_ext.two_shot_peers(
                               x, plan, ws.side, True)),
-                          ("  the binding call, five launches", lambda: taco_ext.all_reduce_peers(
+                          ("  the binding call, five launches", lambda: taco_ext.two_shot_peers(
                               x, plan, ws.side, True, replay=False)),
                           ("  one barrier launch", lambda: taco_ext.barrier(ws.pads, 0, 0)),
-                          ("hint8 symm all-reduce, async + wait", lambda: ws.all_reduce(x, cd, None, True).wait()),
+                          ("hint8 symm all-reduce, async + wait", lambda: ws.two_shot(x, cd, None, True).wait()),
                           ("taco.all_reduce's checks before it", lambda: (taco._check(x, None, cd), taco_symm.workspace(
                               x, None, cd.kernel_ok(x), "auto"))),
                           ("NCCL all-reduce (bf16, 1 rank)", lambda: dist.all_reduce(x)),
@@ -618,18 +618,26 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
 
 PEER_SHAPES = {"gpt2-small": dict(batch_size=12, block_size=1024, n_layer=12, n_head=12, n_embd=768),
                "1b": dict(batch_size=8, block_size=2048, n_layer=20, n_head=16, n_embd=2048)}
-# runs nanoGPT's bench_peer.py unchanged in its folder and adds its peak memory
-_PEER_RUNNER = ("import runpy, sys, torch; sys.argv = ['bench_peer.py'] + sys.argv[1:]; "
-                "runpy.run_path('bench_peer.py', run_name='__main__'); "
-                "print('peak bytes', torch.cuda.max_memory_allocated())")
+# runs nanoGPT's bench_peer.py unchanged in its folder and adds its peak memory; with PEER_CLIP set, every
+# AdamW step first clips the gradient norm to 1.0 the way nanoGPT's train.py does (its bench loop does not)
+_PEER_RUNNER = """import os, runpy, sys, torch
+if os.environ.get("PEER_CLIP"):
+    step = torch.optim.AdamW.step
+    def clipped(self, *args, **kw):
+        torch.nn.utils.clip_grad_norm_([p for g in self.param_groups for p in g["params"]], 1.0)
+        return step(self, *args, **kw)
+    torch.optim.AdamW.step = clipped
+sys.argv = ["bench_peer.py"] + sys.argv[1:]
+runpy.run_path("bench_peer.py", run_name="__main__")
+print("peak bytes", torch.cuda.max_memory_allocated())"""
 
 
-def _peer_nanogpt(folder, shape):
+def _peer_nanogpt(folder, shape, clip=False):
     """nanoGPT's bench loop (10 steps of burn-in, then 20 timed; compiled, bf16 autocast, fused AdamW,
-    random tokens on the GPU): (ms/step, peak GiB)."""
+    random tokens on the GPU; clip: with its train.py's clipping): (ms/step, peak GiB)."""
     import re
     p = subprocess.run([sys.executable, "-c", _PEER_RUNNER, *[f"--{k}={v}" for k, v in shape.items()]], cwd=folder,
-                       capture_output=True, text=True, timeout=1200)
+                       capture_output=True, text=True, timeout=1200, env={**os.environ, "PEER_CLIP": "1" if clip else ""})
     ms, peak = re.search(r"time per iteration: ([\d.]+)ms", p.stdout), re.search(r"peak bytes (\d+)", p.stdout)
     if p.returncode or not ms:
         raise SystemExit(f"{folder}/bench_peer.py failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
@@ -651,11 +659,12 @@ def _peer_ours(shape, extra):
     return sum(r["ms"] for r in timed) / len(timed), logs[-1]["peak_mem_gib"]
 
 
-def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_flops=989e12, tag="peer"):
+def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_flops=989e12, tag="peer", clip=False):
     """train.py at TP=1 against nanoGPT's bench loop on the same shapes, one GPU, one invocation: per
-    shape nanoGPT, ours, ours, nanoGPT (the noise shows), then each variant of ours once (train.py
-    settings, e.g. grad_clip=0.0: what a difference costs). MFU for both from the same FLOPs per
-    token (6N + attention, our count of the shape) against the H200's dense bf16 peak."""
+    shape nanoGPT, ours, ours, nanoGPT (the noise shows; clip: nanoGPT with its train.py's clipping,
+    which ours does, beside each of its runs), then each variant of ours once (train.py settings, e.g.
+    grad_clip=0.0: what a difference costs). MFU for both from the same FLOPs per token (6N +
+    attention, our count of the shape) against the H200's dense bf16 peak."""
     from model import GPTConfig
     folder = nanogpt if os.path.exists(os.path.join(nanogpt, "bench_peer.py")) else os.path.join(nanogpt, "nanogpt")
     if not os.path.exists(os.path.join(folder, "bench_peer.py")):
@@ -666,8 +675,9 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
         B, T = shape["batch_size"], shape["block_size"]
         mc = GPTConfig(**{k: v for k, v in shape.items() if k != "batch_size"}, bias=False)
         flops = (6 * mc.num_params() + 12 * mc.n_layer * mc.n_embd * T) * B * T
-        runs = [("nanoGPT", lambda: _peer_nanogpt(folder, shape)), ("nanoTACO", lambda: _peer_ours(shape, extra))]
-        order = [runs[0], runs[1], runs[1], runs[0]] + [
+        ng, ngc, ours = (("nanoGPT", lambda: _peer_nanogpt(folder, shape)), ("nanoGPT + clip", lambda: _peer_nanogpt(
+            folder, shape, clip=True)), ("nanoTACO", lambda: _peer_ours(shape, extra)))
+        order = ([ng, ngc, ours, ours, ngc, ng] if clip else [ng, ours, ours, ng]) + [
             (f"nanoTACO {v}", lambda v=v: _peer_ours(shape, [*extra, *(f"--{kv}" for kv in v.split("/"))]))
             for v in variants]
         for label, run in order:
@@ -679,12 +689,13 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
         for r in rows:
             if r["shape"] == name:
                 r["vs nanoGPT"] = f"{mean('nanoGPT') / r['ms/step']:.3f}x"
+                r["vs nanoGPT + clip"] = f"{mean('nanoGPT + clip') / r['ms/step']:.3f}x" if clip else "-"
     save(tag, rows, shapes={n: PEER_SHAPES[n] for n in shapes}, peak_flops=peak_flops, extra=list(extra),
          note="one invocation, one GPU: nanoGPT's bench_peer.py (its bench.py, the shape as settings; random tokens, "
-              "no clipping, loss.item() every step) and train.py at TP=1 (real batches, clipping at 1.0, logging); "
-              "each timed twice in the order nanoGPT, ours, ours, nanoGPT; vs nanoGPT = the mean of nanoGPT's two "
-              "runs over this run's ms/step")
-    table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "tok/s", "MFU %", "peak GiB"])
+              "no clipping, loss.item() every step; + clip: with its train.py's clip_grad_norm_ at 1.0 before each "
+              "step) and train.py at TP=1 (real batches, clipping at 1.0, logging); each timed twice, the order "
+              "mirrored; vs X = the mean of X's two runs over this run's ms/step")
+    table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "vs nanoGPT + clip", "tok/s", "MFU %", "peak GiB"])
 
 
 def split_at_dashes(argv):
@@ -723,12 +734,13 @@ def main(argv):
     pe.add_argument("--shapes", default=",".join(PEER_SHAPES), help="of " + ", ".join(PEER_SHAPES))
     pe.add_argument("--variants", default="", help="train.py settings to time once more each, e.g. grad_clip=0.0")
     pe.add_argument("--tag", default="peer", help="results/<tag>.json; after a lone --: train.py overrides")
+    pe.add_argument("--clip", action="store_true", help="also nanoGPT with its train.py's clipping (as ours clips)")
     a = ap.parse_args(argv)
     if a.what == "peer":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py peer needs a CUDA GPU (both codebases time a GPU step)")
         bench_peer(a.nanogpt, tuple(a.shapes.split(",")), tuple(v for v in a.variants.split(",") if v), train_args,
-                   tag=a.tag)
+                   tag=a.tag, clip=a.clip)
     elif a.what == "kernels":
         bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")), dtype=a.dtype,
                       codecs=tuple(a.codecs.split(",")))

@@ -16,7 +16,7 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3) needs two conju
 f always precedes a column-parallel matmul, so f is written fused with it (`f(x, W, b, comm)` =
 x W^T + b): its backward can then START the all-reduce of the input gradient and compute the weight
 gradient while the bytes are on the wire. Both operators reach the network through ONE method,
-`TPComm.all_reduce`, where taco.py compresses the traffic (TACO paper, Fig. 2: the forward g and
+`TPComm.sum`, where taco.py compresses the traffic (TACO paper, Fig. 2: the forward g and
 the backward f carry activations and activation gradients of size B*T*C).
 
 With sequence parallelism (Korthikanti et al. 2022) the activations between the TP blocks are
@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import runlog
 import taco
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -123,7 +124,7 @@ class TPComm:
     block_size: int = 256
     chunks: int = 1
     min_bytes: int = 0
-    stats: taco.CommStats = field(default_factory=taco.CommStats)
+    stats: runlog.CommStats = field(default_factory=runlog.CommStats)
     sp: bool = False             # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
     transport: str = "auto"      # taco.TRANSPORTS: auto | dist (NCCL, gloo) | symm (symmetric memory)
     site_codecs: dict = field(default_factory=dict)
@@ -140,7 +141,7 @@ class TPComm:
         codec = {"fwd": self.fwd_codec, "bwd": self.bwd_codec, "embed": self.embed_codec or self.fwd_codec}[direction]
         return "none" if x.numel() * x.element_size() < self.min_bytes else codec
 
-    def all_reduce(self, x, direction, async_op=False):
+    def sum(self, x, direction, async_op=False):
         """SUM over the TP group, in place, returning x (async_op: a handle to wait() on).
         THE single entry point for TP all-reduces."""
         return taco.all_reduce(x, group=self.group, codec=self.codec_for(x, direction), block_size=self.block_size,
@@ -197,7 +198,7 @@ class _F(torch.autograd.Function):
         comm = ctx.comm
         gx = gy @ w                                                     # (..., in): a partial sum
         if not comm.sp:
-            handle = comm.all_reduce(gx, "bwd", async_op=True)         # start f's all-reduce ...
+            handle = comm.sum(gx, "bwd", async_op=True)         # start f's all-reduce ...
         gy2 = gy.reshape(-1, gy.shape[-1])
         gw = (gy2.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[0])  # ... these matmuls run meanwhile
         gb = None if ctx.dtypes[1] is None else gy2.sum(0).to(ctx.dtypes[1])
@@ -216,7 +217,7 @@ class _G(torch.autograd.Function):
     def forward(ctx, x, comm, direction):
         ctx.comm = comm
         if not comm.sp:
-            return comm.all_reduce(x.contiguous(), direction)
+            return comm.sum(x.contiguous(), direction)
         return comm.reduce_scatter_seq(x, direction)                    # (B, T, C) -> (B, T/tp, C)
 
     @staticmethod

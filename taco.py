@@ -43,9 +43,10 @@ transform), which only the rotation undoes. A message is self-contained: it deco
 
 Non-finite input: a block holding NaN or +-Inf is marked bad (codes 0, scale NaN) and decodes to
 NaN (`fp8`: per element). Finite input stays finite where the true result is representable, and
-decoded values saturate at the output type's largest finite value (how: Codec._encode_ref's
-comments; the few exceptions, marked bad: docs/RELIABILITY.md). float64 goes through as fp32; integer tensors are refused (codec
-'none' carries them); on a codec's first use on a group the ranks check that they all use it.
+decoded values saturate at the output type's largest finite value (how: Codec._encode_ref; the few
+exceptions, marked bad: docs/RELIABILITY.md). float64 goes through as fp32; integer tensors are
+refused (codec 'none' carries them); on a codec's first use on a group the ranks check that they
+all use it.
 
 The two-shot compressed all-reduce (all_reduce below)
 -----------------------------------------------------
@@ -63,19 +64,17 @@ all-to-all is started before the first one is waited on. Inside one node the sam
 run with symmetric memory as the wire (taco_symm.py): the kernels read the peers' messages
 directly, two barriers instead of two NCCL calls, the same bytes and results.
 
-On CUDA tensors the fused kernels of taco_kernels.cu do steps 2, 4 and 6 (taco_ext.py loads
-them); everywhere else, and as their definition, the PyTorch reference in this file.
-"""
+On CUDA tensors the fused kernels of taco_kernels.cu (loaded by taco_ext.py) do steps 2, 4 and 6;
+elsewhere, and as their definition, the PyTorch reference here."""
 import math
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 import taco_ext
-import taco_symm
-from taco_symm import Pending
 
 DEFAULT_CODEC = "hint8"          # the most accurate 8-bit codec here (docs/RESULTS.md); `taco` is the paper's
 TRANSPORTS = ("auto", "dist", "symm")   # how the compressed bytes travel (taco_symm.workspace)
@@ -391,19 +390,15 @@ class Codec:
         return self.decompress(self.compress(x), x.shape, x.dtype)
 
 
-class Identity:
-    """The codec `none`: the tensor's own bytes on the wire (bf16 stays bf16). Every user of a codec
-    (the collectives, parallel.send_stage) takes the plain torch.distributed path for it."""
-    name = "none"
-
-
-IDENTITY = Identity()
+# the codec `none`: the tensor's own bytes on the wire (bf16 stays bf16); every user of a codec (the
+# collectives, parallel.send_stage) takes the plain torch.distributed path for it
+IDENTITY = SimpleNamespace(name="none")
 EXTRA_CODECS = {}      # name -> class with Codec's interface, made with no arguments (its block is its own)
 _CODEC_CACHE = {}
 
 
 def get_codec(name, block_size=256, tau=1.0, eps=1e-30):
-    """A (cached) codec object by name; `none` (or None) is the Identity."""
+    """A (cached) codec object by name; `none` (or None) is IDENTITY."""
     if name in (None, "none"):
         return IDENTITY
     key = (name,) if name in EXTRA_CODECS else (name, block_size, tau, eps)
@@ -420,24 +415,31 @@ def codec_names():
 # -----------------------------------------------------------------------------
 # the compressed collectives
 
-@dataclass
-class CommStats:
-    """Bytes this rank put on the wire vs what an uncompressed ring all-reduce would have sent."""
-    calls: int = 0
-    wire_bytes: int = 0
-    logical_bytes: int = 0
+class Pending:
+    """What the collectives return with async_op=True: wait() runs the rest of the collective (once)."""
 
-    def add(self, wire, logical):
-        self.calls += 1
-        self.wire_bytes += int(wire)
-        self.logical_bytes += int(logical)
+    def __init__(self, rest):
+        self.rest = rest
 
-    def reset(self):
-        self.calls = self.wire_bytes = self.logical_bytes = 0
+    def wait(self):
+        if self.rest is not None:
+            self.rest()
+            self.rest = None
+        return True
 
-    @property
-    def ratio(self):
-        return self.logical_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+def load_kernels(names, block_size, device):
+    """Build and load the fused kernels (local rank 0 builds) if a codec in `names` runs on them on `device`."""
+    if device.type == "cuda" and any(taco_ext.supports(get_codec(n, block_size)) for n in names):
+        taco_ext.load()
+
+
+def _workspace(x, group, has_kernels, transport):
+    """taco_symm.workspace for a GPU tensor, else None (taco_symm, with torch._dynamo, loads on first use)."""
+    if transport == "dist" or (transport == "auto" and not x.is_cuda):
+        return None
+    import taco_symm
+    return taco_symm.workspace(x, group, has_kernels, transport)
 
 
 def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False,
@@ -463,9 +465,9 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
             logical = 2 * (W - 1) * x.numel() * x.element_size() / W
             stats.add(logical, logical)
         return work if async_op else x
-    ws = taco_symm.workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
+    ws = _workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
     if ws is not None:
-        return ws.all_reduce_tensor(x, cd, stats, async_op)
+        return ws.sum(x, cd, stats, async_op)
     return _two_shot(x, group, cd, W, chunks, stats, async_op)
 
 
@@ -544,8 +546,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):
     """Sum over the group of x (n elements, n divisible by W); returns this rank's n/W slice.
     Steps 1-4 of the two-shot all-reduce; the summed shard is not re-compressed (it stays here)."""
-    W = dist.get_world_size(group)
-    n = x.numel()
+    W, n = dist.get_world_size(group), x.numel()
     if n % W:
         raise ValueError(f"reduce_scatter needs numel ({n}) divisible by the group size ({W})")
     cd = get_codec(codec, block_size)
@@ -559,7 +560,7 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
     L = cd.padded(n // W)
     shards = torch.zeros(W, L, dtype=x.dtype, device=x.device)     # shard r padded to whole blocks
     shards[:, :n // W] = x.reshape(W, n // W)
-    ws = taco_symm.workspace(x, group, cd.kernel_ok(x), transport)
+    ws = _workspace(x, group, cd.kernel_ok(x), transport)
     if ws is not None:                     # the W messages for my shard, read from the peers' buffers
         parts, S = ws.gather_messages(cd, shards.view(-1), W, L, dist.get_rank(group))
     else:
@@ -576,8 +577,7 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
 def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):
     """Concatenate x from every rank (rank order): steps 5-6 of the two-shot all-reduce. Every rank
     decodes every piece, its own included, so all ranks hold bitwise-identical results."""
-    W = dist.get_world_size(group)
-    n = x.numel()
+    W, n = dist.get_world_size(group), x.numel()
     cd = get_codec(codec, block_size)
     _check(x, group, cd)
     out = torch.empty(W * n, dtype=x.dtype, device=x.device)
@@ -586,7 +586,7 @@ def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, t
         if stats is not None:
             stats.add((W - 1) * n * x.element_size(), (W - 1) * n * x.element_size())
         return out
-    ws = taco_symm.workspace(x, group, cd.kernel_ok(x), transport) if n else None
+    ws = _workspace(x, group, cd.kernel_ok(x), transport) if n else None
     if ws is not None:                     # every rank's one message, read from its buffer
         parts, S = ws.gather_messages(cd, x.reshape(-1), 1, cd.padded(n), 0)
     else:

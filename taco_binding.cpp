@@ -3,9 +3,8 @@
 // the current stream. The symmetric-memory transport's own functions are in taco_symm.cu.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
 
-#include "taco_kernels.h"
+#include "taco_binding.h"
 
 namespace taco_binding {       // also called by taco_symm.cu
 
@@ -31,15 +30,10 @@ TacoMsgs contiguous(const torch::Tensor& buf) {
 torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optional<torch::Tensor> into) {
   check(x, "input");
   const c10::cuda::CUDAGuard guard(x.device());
-  torch::Tensor out;
-  if (into) {                                   // e.g. this rank's symmetric-memory buffer
-    out = *into;
-    check(out, "output");
-    TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.numel() == M * p.S, "taco: encode output must be ",
-                M * p.S, " bytes");
-  } else {
-    out = torch::empty({M, p.S}, x.options().dtype(torch::kUInt8));
-  }
+  torch::Tensor out = into ? *into : torch::empty({M, p.S}, x.options().dtype(torch::kUInt8));
+  check(out, "output");
+  TORCH_CHECK(out.scalar_type() == torch::kUInt8 && out.numel() == M * p.S, "taco: encode output must be ", M * p.S,
+              " bytes");
   TORCH_CHECK(taco_encode(x.data_ptr(), dtype_code(x), x.numel(), (int)M, p, out.data_ptr<uint8_t>(),
                           c10::cuda::getCurrentCUDAStream()), UNSUPPORTED);
   C10_CUDA_KERNEL_LAUNCH_CHECK();               // a refused launch raises: no stale bytes
@@ -67,8 +61,6 @@ torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const T
 }
 
 }  // namespace taco_binding
-
-void bind_symm(pybind11::module_& m);     // taco_symm.cu: the symmetric-memory transport
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace taco_binding;

@@ -128,12 +128,12 @@ def barrier(pads, me, channel):
     return load().barrier(pads, me, channel)
 
 
-def all_reduce_peers(x, plan, side, join, replay=True):
+def two_shot_peers(x, plan, side, join, replay=True):
     """The symmetric-memory all-reduce of taco_symm.Workspace in one binding call (its plan: the
     buffers, parameters, message addresses, signal pads and graphs), on stream `side` (its (id,
     device, type)); join: the current stream waits for it at the end. replay: as a CUDA graph
     captured on x's first call (one launch instead of five); False: the five launches."""
-    return load().all_reduce_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p,
+    return load().two_shot_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p,
                                    plan.replays, replay, side, join)
 
 

@@ -1,6 +1,5 @@
-// taco_kernels.h — the interface between taco_kernels.cu (plain CUDA) and its PyTorch callers,
-// taco_binding.cpp and taco_symm.cu.
-// Only plain C types here, so the kernels compile without PyTorch's headers.
+// taco_kernels.h — the interface between taco_kernels.cu (plain CUDA) and its PyTorch callers
+// (taco_binding.cpp, taco_symm.cu): only plain C types, so the kernels compile without PyTorch's headers.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>

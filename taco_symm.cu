@@ -3,20 +3,11 @@
 // It runs taco_kernels.cu's kernels on messages at the peers' addresses (TacoMsgs.ptr).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
 
 #include <functional>
 #include <map>
 
-#include "taco_kernels.h"
-
-namespace taco_binding {                      // taco_binding.cpp's launchers (they check their tensors)
-int dtype_code(const torch::Tensor& t);
-void check(const torch::Tensor& t, const char* what);
-torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optional<torch::Tensor> into);
-torch::Tensor decode(TacoMsgs msgs, int64_t M, torch::Tensor out, const TacoParams& p);
-torch::Tensor reduce_encode(TacoMsgs msgs, int64_t P, torch::Tensor out, const TacoParams& p);
-}  // namespace taco_binding
+#include "taco_binding.h"
 
 namespace {
 using namespace taco_binding;
@@ -163,9 +154,9 @@ class Replays {
 // workspace in order, as they share its buffers), after it waited for the caller's stream; join: the
 // caller's stream waits for it now (else at handle.wait(), join_stream). While the caller's stream is
 // being captured into a graph, the kernels are launched one by one (into that graph).
-void all_reduce_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
-                      const TacoPads& pads, int64_t me, const TacoParams& p, Replays& replays, bool replay,
-                      const StreamId& side, bool join) {
+void two_shot_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
+                    const TacoPads& pads, int64_t me, const TacoParams& p, Replays& replays, bool replay,
+                    const StreamId& side, bool join) {
   check(x, "input");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream();
@@ -198,7 +189,7 @@ void bind_symm(pybind11::module_& m) {
   py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
   py::class_<Replays>(m, "Replays").def(py::init<>(), "a plan's all-reduce as CUDA graphs, one per tensor");
   py::class_<TacoPads>(m, "Pads").def(py::init(&signal_pads), "the ranks' signal pads at the given device addresses");
-  m.def("all_reduce_peers", &all_reduce_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
+  m.def("two_shot_peers", &two_shot_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
         "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("pads"),
         py::arg("me"), py::arg("p"), py::arg("replays"), py::arg("replay"), py::arg("side"), py::arg("join"));
   m.def("barrier", [](const TacoPads& pads, int64_t me, int64_t channel) {

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import taco_ext
+from taco import Pending
 
 _WORKSPACES = {}
 # one all-reduce size's views of the buffer, its kernel parameters, the messages' addresses, the
@@ -107,19 +108,6 @@ def _peer_access_everywhere():
     return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
 
 
-class Pending:
-    """What the collectives return with async_op=True: wait() runs the rest of the collective (once)."""
-
-    def __init__(self, rest):
-        self.rest = rest
-
-    def wait(self):
-        if self.rest is not None:
-            self.rest()
-            self.rest = None
-        return True
-
-
 class Workspace:
     """A buffer in symmetric memory, one per (group, device), mapped by every rank of the group.
 
@@ -182,26 +170,26 @@ class Workspace:
             return Pending(done)
         done()
 
-    def all_reduce_tensor(self, x, cd, stats, async_op):
+    def sum(self, x, cd, stats, async_op):
         """taco.all_reduce of x over this workspace: compressed by codec cd, or for the codec `none`
         PyTorch's own two-shot. A non-contiguous x is reduced in a contiguous copy, written back at
         the end. Returns x, or with async_op a handle."""
         flat = x.contiguous().view(-1)
         then = None if flat.data_ptr() == x.data_ptr() else (lambda: x.copy_(flat.view_as(x)))
         if cd.name == "none":
-            handle = self.all_reduce_plain(flat, stats, async_op, then)
+            handle = self.sum_uncompressed(flat, stats, async_op, then)
         else:
-            handle = self.all_reduce(flat, cd, stats, async_op, then)
+            handle = self.two_shot(flat, cd, stats, async_op, then)
         return handle if async_op else x
 
     @torch.compiler.disable            # raw addresses and a callback: run eagerly, also inside torch.compile
-    def all_reduce(self, flat, cd, stats, async_op, then=None):
+    def two_shot(self, flat, cd, stats, async_op, then=None):
         """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode) on this
         workspace's stream, as run() orders it: joined now, or with async_op at handle.wait()."""
         plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
         if stats is not None:
             stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_ext.all_reduce_peers(flat, plan, self.side, join=not async_op)
+        taco_ext.two_shot_peers(flat, plan, self.side, join=not async_op)
         if not async_op:
             if then is not None:
                 then()
@@ -220,7 +208,7 @@ class Workspace:
         plan = self.plans[(n, cd)] = make_plan(cd, n, self.me, self.buf, self.ptrs, self.pads)
         return plan
 
-    def all_reduce_plain(self, flat, stats, async_op, then=None):
+    def sum_uncompressed(self, flat, stats, async_op, then=None):
         """Uncompressed: PyTorch's own symmetric-memory two-shot all-reduce, the fastest
         uncompressed one inside a node and so a baseline to beat. Its input must live in symmetric
         memory: flat is copied in, and the sum is written back to flat (one extra copy of the

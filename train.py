@@ -25,7 +25,6 @@ import data_parallel
 import parallel
 import runlog
 import taco
-import taco_ext
 import watchdog
 from data.loader import Batches, read_meta
 from model import GPT, GPTConfig
@@ -119,7 +118,7 @@ def get_lr(it, c):
     return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (c["learning_rate"] - c["min_lr"])
 
 
-def clip_grad_norm(params, max_norm, grid, zero=None):
+def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
     """Global gradient norm over the whole (sharded, staged) model: the squares of TP-split
     parameters are summed over the TP group, replicated ones counted once, then every pipeline
     stage's sum is added (the last stage's copy of the tied embedding is not counted twice).
@@ -141,7 +140,9 @@ def clip_grad_norm(params, max_norm, grid, zero=None):
         dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-    if zero is None and max_norm > 0:
+    if zero is None and max_norm > 0 and getattr(opt, "defaults", {}).get("fused"):
+        opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)   # fused AdamW divides by it as it reads
+    elif zero is None and max_norm > 0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
     return norm, coef
 
@@ -164,8 +165,7 @@ def setup(c, model_hook=None):
     torch.manual_seed(c["seed"])
     ways = {"tp": grid.tp, "dp": grid.dp, "zero": grid.dp, "pp": grid.pp}   # a codec acts where its group has 2+ ranks
     codecs = ["hint8" if v == "auto" else v for k, v in c.items() if "_codec" in k and v and ways[k.split("_")[0]] > 1]
-    if use_cuda and any(taco_ext.supports(taco.get_codec(k, c["codec_block"])) for k in codecs):
-        taco_ext.load()                                  # every rank; local rank 0 builds first
+    taco.load_kernels(codecs, c["codec_block"], dev)       # if a codec runs on them (local rank 0 builds)
     comm = parallel.TPComm(group=grid.tp_group, size=grid.tp, rank=grid.tp_rank, fwd_codec=c["tp_codec"],
                            bwd_codec=c["tp_codec_bwd"] or c["tp_codec"], embed_codec=c["tp_codec_embed"],
                            block_size=c["codec_block"], chunks=c["taco_chunks"], min_bytes=c["taco_min_bytes"],
@@ -189,7 +189,7 @@ def setup(c, model_hook=None):
                         autocast=torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32),
                         batches=Batches(config.data_dir(c), c["block_size"], c["batch_size"], c["seed"], grid.dp_rank,
                                         dev, grid.dp),
-                        dp_stats=taco.CommStats(), pp_stats=taco.CommStats(), zero=None, dpsync=None, it0=0,
+                        dp_stats=runlog.CommStats(), pp_stats=runlog.CommStats(), zero=None, dpsync=None, it0=0,
                         tp_auto=auto)
     build_optimizer(r)
     r.resumed_from = checkpoint.resume(r) if c["resume"] else None
@@ -262,7 +262,7 @@ def train_step(r, it):
         r.dpsync.finish()             # first: it writes the DP averages over .grad (the sums below commute)
     parallel.sync_sp_grads(r.params, r.comm)
     parallel.sync_tied_grads(r.model, grid)
-    gnorm, coef = clip_grad_norm(r.params, c["grad_clip"], grid, r.zero)
+    gnorm, coef = clip_grad_norm(r.params, c["grad_clip"], grid, r.zero, r.opt)
     if r.zero is not None:                               # ZeRO-1: reduce-scatter, clip, step, all-gather
         r.zero.step(lr, coef)
     else:

@@ -36,14 +36,14 @@ def _capture_worker(rank, world, steps):
     model = GPT(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128), comm, seed=1337)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     batches = Batches("small", 64, 8, 1337, 0, "cpu")
-    captured, all_reduce = [], comm.all_reduce
+    captured, tp_sum = [], comm.sum
 
     def capturing(x, direction, async_op=False):              # wraps THE TP all-reduce of this comm
         captured.append(("bwd" if direction == "bwd" else "fwd", x.detach().clone()))   # embed: a forward one
-        return all_reduce(x, direction, async_op)
+        return tp_sum(x, direction, async_op)
     for it in range(steps + 1):
         if it == steps:
-            comm.all_reduce = capturing                       # the last step's all-reduce inputs
+            comm.sum = capturing                       # the last step's all-reduce inputs
         x, y = batches.get("train", it)
         model(x, y)[1].backward()
         opt.step()

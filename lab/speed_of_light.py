@@ -6,7 +6,7 @@ The results are WRONG (every rank keeps its own partial sums); only the step tim
     torchrun --nproc_per_node=2 -m lab.speed_of_light all configs/gpt1b.py --compile=True   # fwd | bwd | all
     python bench.py e2e configs/gpt1b.py none,hint8,sol:fwd,sol:bwd,sol:all --nproc=2 -- --compile=True
 
-The skipped all-reduces are those of TPComm.all_reduce (g forward, f backward): the ones the codecs
+The skipped all-reduces are those of TPComm.sum (g forward, f backward): the ones the codecs
 compress. Sequence parallelism (reduce-scatter / all-gather) is not covered.
 """
 import sys
@@ -24,15 +24,15 @@ class _Done:
 
 
 def skipping(comm, directions):
-    """Replace comm.all_reduce (on this instance) by one that returns its input untouched for the
+    """Replace comm.sum (on this instance) by one that returns its input untouched for the
     given directions."""
-    real = comm.all_reduce
+    real = comm.sum
 
-    def all_reduce(x, direction, async_op=False):
+    def skipped_sum(x, direction, async_op=False):
         if direction in directions:
             return _Done() if async_op else x
         return real(x, direction, async_op)
-    comm.all_reduce = all_reduce
+    comm.sum = skipped_sum
 
 
 def main(argv):

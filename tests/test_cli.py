@@ -383,3 +383,13 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
     assert len(expect) >= (3 if steps == 10 else 5)
     for line in _numbers(expect):
         assert line in _numbers(printed), (line, [ln for ln in printed if ln.startswith(line[:12])])
+
+
+def test_the_kernel_loop_imports_no_more_than_it_needs():
+    """The kernel edit -> rerun loop's process imports taco, which does not pull in torch._dynamo
+    (about 1.5 s; only the symmetric-memory transport and torch.compile need it); and
+    taco.load_kernels builds nothing for a CPU device."""
+    code = ("import sys, torch, taco, taco_ext; taco.load_kernels(['hint8'], 256, torch.device('cpu')); "
+            "print('torch._dynamo' in sys.modules, taco_ext._EXT is None)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stdout + r.stderr

@@ -350,7 +350,7 @@ def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradie
     class Comm:
         size, sp = 2, False
 
-        def all_reduce(self, x, direction, async_op=False):
+        def sum(self, x, direction, async_op=False):
             assert direction == "bwd" and async_op
             events.append("start")
             x.mul_(2)                                    # a stand-in "sum over 2 identical ranks"

@@ -5,6 +5,7 @@ import os
 import pytest
 
 import parallel
+import runlog
 from test_train import ROOT, losses, run
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "golden_losses.json")
@@ -181,7 +182,6 @@ def _pipeline_codecs(rank, world):
     through the codec of its direction."""
     import torch
     import torch.distributed as dist
-    import taco
     grid = parallel.Grid(rank=rank, world=2, pp=2, pp_rank=rank, pp_group=dist.group.WORLD)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 8, 64, generator=g), torch.randn(64, 64, generator=g) * 0.1
@@ -196,7 +196,7 @@ def _pipeline_codecs(rank, world):
         seen["act_in"] = h.detach().clone()
         h.register_hook(lambda grad: seen.setdefault("grad_sent", grad.clone()))
         return None, (h.pow(3) * 0.01).sum()
-    stats = taco.CommStats()
+    stats = runlog.CommStats()
     parallel.run_pipeline(parallel.pipeline_schedule("1f1b", 1, rank, 2), forward, grid, (4, 8, 64),
                           torch.float32, "cpu", codec="hint8", codec_bwd="hint4", stats=stats)
     return seen, stats.ratio

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import runlog
 import taco
 import taco_ext
 from launcher import run_ranks
@@ -39,7 +40,7 @@ def _symm_cases(rank, world):
     for i, (codec, n, dtype) in enumerate(cases):
         x = _data(n, dtype, i, rank)
         a, b = x.clone(), x.clone()
-        sa, sb = taco.CommStats(), taco.CommStats()
+        sa, sb = runlog.CommStats(), runlog.CommStats()
         taco.all_reduce(a, codec=codec, transport="dist", stats=sa)
         taco.all_reduce(b, codec=codec, transport="symm", stats=sb)
         out[f"ar {codec} {n} {dtype}"] = (torch.equal(a.view(torch.uint8), b.view(torch.uint8)),
@@ -156,26 +157,26 @@ def _one_rank_cases(rank, world):
         x[n // 2] = float("nan")
         ref = _codec_steps(cd, [x])
         a, b, c = x.clone(), x.clone(), x.clone()
-        ws.all_reduce(a, cd, None, async_op=False)           # captured as a graph, which runs
-        h = ws.all_reduce(b, cd, None, async_op=True)
+        ws.two_shot(a, cd, None, async_op=False)           # captured as a graph, which runs
+        h = ws.two_shot(b, cd, None, async_op=True)
         h.wait()
         ok = same(a, ref) and same(b, ref)
         a.copy_(x)
-        ws.all_reduce(a, cd, None, async_op=False)           # the graph replayed
-        taco_ext.all_reduce_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)   # five launches
+        ws.two_shot(a, cd, None, async_op=False)           # the graph replayed
+        taco_ext.two_shot_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)   # five launches
         out[f"{codec} {n} {dtype}"] = (ok, same(a, ref) and same(c, ref))
     cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
     a, b = x.clone(), y.clone()                          # an eager call while an async one is unfinished: in order
-    h = ws.all_reduce(a, cd, None, async_op=True)
-    ws.all_reduce(b, cd, None, async_op=False)
+    h = ws.two_shot(a, cd, None, async_op=True)
+    ws.two_shot(b, cd, None, async_op=False)
     h.wait()
     out["async, then eager before its wait"] = (same(a, _codec_steps(cd, [x])), same(b, _codec_steps(cd, [y])))
     x = _data(1 << 16, torch.bfloat16, 4, 0)
     s, graph = x.clone(), torch.cuda.CUDAGraph()
-    ws.all_reduce(s, cd, None, async_op=False)           # once before capturing (the plan)
+    ws.two_shot(s, cd, None, async_op=False)           # once before capturing (the plan)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        ws.all_reduce(s, cd, None, async_op=True).wait()
+        ws.two_shot(s, cd, None, async_op=True).wait()
     for _ in range(3):
         s.copy_(x)
         graph.replay()
@@ -219,7 +220,7 @@ def test_two_ranks_on_one_gpu():
         for how in ("graph captured", "graph replayed", "five launches"):
             for r in range(W):
                 ys[r].copy_(xs[r])
-                taco_ext.all_reduce_peers(ys[r], plans[r], sides[r], join=False, replay=how != "five launches")
+                taco_ext.two_shot_peers(ys[r], plans[r], sides[r], join=False, replay=how != "five launches")
                 if i == 0 and r == 0:
                     time.sleep(0.2)
                     assert not streams[0].query(), f"{how}: rank 0 passed the barrier alone"

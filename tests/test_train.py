@@ -49,6 +49,32 @@ def test_compressed_tp2_tracks_uncompressed(tmp_path):
         assert dev < 0.05, (codec, dev)
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])           # clipped, and a norm under the limit
+def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
+    """A fused AdamW takes the clip as its grad_scale (the gradients divided as it reads them):
+    the same update as scaling the gradients first, to fp32 rounding."""
+    import train
+    grid = train.parallel.Grid(tp=1, pp=1, dp=1)
+    torch.manual_seed(0)
+    ps = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True)]
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    before = [p.detach().clone() for p in ps]
+    for p, q in zip(ps, qs):
+        p.grad = torch.randn_like(p) * 3
+        q.grad = p.grad.clone()
+    # eps=1: the update depends on the gradients' scale (Adam's first step with a small eps barely does)
+    plain, fused = torch.optim.AdamW(ps, lr=1e-2, eps=1.0), torch.optim.AdamW(qs, lr=1e-2, eps=1.0, fused=True)
+    n1, _ = train.clip_grad_norm(ps, max_norm, grid, opt=plain)
+    n2, _ = train.clip_grad_norm(qs, max_norm, grid, opt=fused)
+    assert n1 == n2 and hasattr(fused, "grad_scale") and not hasattr(plain, "grad_scale")
+    assert (fused.grad_scale > 1) == (max_norm < n1)
+    plain.step()
+    fused.step()
+    for p, q, b in zip(ps, qs, before):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert (p - b).abs().max() > 1e-5                 # the step moved them
+
+
 @pytest.mark.parametrize("zero", [False, True, pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_resume_is_bit_exact(tmp_path, zero):
     """6 steps in one go == 3 steps, stop, resume, 3 more; also with ZeRO-1 over dp=2 (each DP rank
