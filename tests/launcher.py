@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ["torch", "torch.distributed", "numpy", "tiktoken", "train", "sample", "lab.emulate", "lab.tahquant", "launcher"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "tiktoken", "train", "sample", "lab.emulate",
+           "lab.tahquant", "launcher"]   # torch._dynamo: the ranks that torch.compile (the book imports it lazily)
 GRACE = 3.0     # seconds the other ranks get to finish after one fails (torchrun: it then stops them)
 _pool = None
 
