@@ -182,7 +182,7 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
                 gbs = nbytes / t / 1e3
                 rows.append({"elements": f"{m}M", "op": op, "codec": name, "us": f"{t:.1f}", "GB/s": f"{gbs:.0f}",
                              "% of copy": f"{100 * gbs / copy_gbs:.0f}"})
-        del x, y
+        x = y = None                                   # freed before the next size
         torch.cuda.empty_cache()
     save(tag, rows, nvcc_flags=os.environ.get("TACO_NVCC_FLAGS", ""), note="GB/s = (bytes read + bytes written) / "
          f"time; input and output {dtype} (reduce-compress: codes only); time = mean GPU time of 50 back-to-back "
