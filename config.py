@@ -134,6 +134,19 @@ def read_file(path, defaults):
     return out
 
 
+def start(defaults, argv):
+    """The resolved, checked settings (parse, check), and out_dir claimed (checkpoint.claim); a refusal
+    ends every rank before launch, said once per node without a traceback (refuse)."""
+    import checkpoint
+    try:
+        c = parse(defaults, argv)
+        check(c, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+        checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
+    except (ConfigError, SystemExit) as e:
+        refuse(e.code if isinstance(e, SystemExit) else f"config error: {e}")
+    return c
+
+
 def parse(defaults, argv):
     """The resolved settings: defaults, then config files and --key=value overrides in order."""
     cfg, i = dict(defaults), 0

@@ -1,7 +1,7 @@
 """
 runlog.py — what a training run writes: rank 0's banner and log lines, log.jsonl, the kernel trace.
 
-train.py calls these; `r` is its run state (train.setup).
+train.py calls these; `r` is its run state (train.Run).
 """
 import json
 import os

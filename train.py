@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -119,11 +119,10 @@ def get_lr(it, c):
 
 
 def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
-    """Global gradient norm over the whole (sharded, staged) model: the squares of TP-split
-    parameters are summed over the TP group, replicated ones counted once, then every pipeline
-    stage's sum is added (the last stage's copy of the tied embedding is not counted twice).
-    Scales the gradients to norm <= max_norm; with ZeRO (`zero`, a data_parallel.ZeroAdamW) the squares
-    come from its DP-reduced gradient slices and the scale is applied in its step. Returns (norm, scale)."""
+    """Global gradient norm over the whole (sharded, staged) model: the squares of TP-split parameters
+    summed over the TP group, replicated ones counted once, then every pipeline stage's sum added (the
+    last stage's copy of the tied embedding not twice). Scales the gradients to norm <= max_norm; with ZeRO
+    (`zero`) the squares come from its DP-reduced slices and its step scales. Returns (norm, scale)."""
     dev = params[0].device
     if zero is not None:
         sq, repl_sq = zero.reduce_grads()
@@ -148,12 +147,36 @@ def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
 
 
 # -----------------------------------------------------------------------------
-# a run: processes, model, optimizer; one step; evaluation; the step line
+# a run: its state, processes, model, optimizer; one step; evaluation; the step line
+
+@dataclass
+class Run:
+    """Everything a step needs: setup() makes it; runlog, checkpoint, watchdog and the lab read it."""
+    cfg: dict                   # the settings: DEFAULTS, then a config file, then --key=value (config.parse)
+    grid: parallel.Grid         # this rank's place in the TP x PP x DP grid, and its process groups
+    dev: torch.device           # this rank's device: cuda:LOCAL_RANK, or cpu
+    dtype: torch.dtype          # the forward's compute dtype (bf16 on a GPU unless --dtype says otherwise)
+    use_cuda: bool              # dev is a GPU
+    comm: parallel.TPComm       # the TP group's one all-reduce door: its codecs, transport and byte counts
+    model: GPT                  # this rank's shard of its pipeline stage
+    params: list                # model.parameters(), in the order the optimizer, the clip and the syncs use
+    fwd_model: torch.nn.Module  # model, or torch.compile(model)
+    autocast: torch.autocast    # the forward's autocast (disabled in float32)
+    batches: Batches            # the stateless batches: (split, iteration, micro-batch) -> (x, y)
+    tp_auto: object = None      # tp_codec=auto: its choice and timings (tp_auto.choose), else None
+    opt: object = None          # AdamW, or ZeRO-1's sharded AdamW (build_optimizer)
+    zero: object = None         # with zero1: that data_parallel.ZeroAdamW, else None
+    dpsync: object = None       # dp > 1 without ZeRO: data_parallel.DPGradSync (its buckets), else None
+    dp_stats: runlog.CommStats = field(default_factory=runlog.CommStats)   # bytes of the DP gradient syncs
+    pp_stats: runlog.CommStats = field(default_factory=runlog.CommStats)   # bytes between pipeline stages
+    it0: int = 0                # the first iteration: 0, or the resumed checkpoint set's
+    resumed_from: str = None    # the checkpoint set resumed from, or None
+    run_id: str = ""            # the run's id, the same across resumes (checkpoint.new_run_id)
+
 
 def setup(c, model_hook=None):
-    """Process groups, device, model, optimizer (and the resumed state): everything a step needs,
-    as one namespace. model_hook(model, comm, c), if given, may change the model before the optimizer
-    sees its parameters (lab/emulate.py replaces the TP layers with emulated ones this way)."""
+    """Process groups, device, model, optimizer (and the resumed state): the Run. model_hook(model, comm, c)
+    may change the model before the optimizer sees it (lab/emulate.py: emulated TP layers)."""
     use_cuda = c["device"] == "cuda" or (c["device"] == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -183,14 +206,11 @@ def setup(c, model_hook=None):
     model = model.to(dev)
     if model_hook is not None:
         model_hook(model, comm, c)
-    r = SimpleNamespace(cfg=c, grid=grid, dev=dev, dtype=ptdtype, use_cuda=use_cuda, comm=comm, model=model,
-                        params=list(model.parameters()),
-                        fwd_model=torch.compile(model) if c["compile"] else model,
-                        autocast=torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32),
-                        batches=Batches(config.data_dir(c), c["block_size"], c["batch_size"], c["seed"], grid.dp_rank,
-                                        dev, grid.dp),
-                        dp_stats=runlog.CommStats(), pp_stats=runlog.CommStats(), zero=None, dpsync=None, it0=0,
-                        tp_auto=auto)
+    r = Run(cfg=c, grid=grid, dev=dev, dtype=ptdtype, use_cuda=use_cuda, comm=comm, model=model,
+            params=list(model.parameters()), fwd_model=torch.compile(model) if c["compile"] else model,
+            autocast=torch.autocast(dev.type, dtype=ptdtype, enabled=ptdtype != torch.float32),
+            batches=Batches(config.data_dir(c), c["block_size"], c["batch_size"], c["seed"], grid.dp_rank, dev,
+                            grid.dp), tp_auto=auto)
     build_optimizer(r)
     r.resumed_from = checkpoint.resume(r) if c["resume"] else None
     if not c["resume"]:
@@ -290,24 +310,12 @@ def evaluate(r, it):
     return out
 
 
-def start(argv):
-    """The resolved, checked settings, and out_dir claimed; a refusal ends every rank before launch,
-    said once per node without a traceback (config.refuse)."""
-    try:
-        c = config.parse(DEFAULTS, argv)
-        config.check(c, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-        checkpoint.claim(c["out_dir"], c["resume"], c["overwrite"], int(os.environ.get("RANK", "0")) == 0)
-    except (config.ConfigError, SystemExit) as e:
-        config.refuse(e.code if isinstance(e, SystemExit) else f"config error: {e}")
-    return c
-
-
 def main(argv=None, model_hook=None):
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print(config.help_text(__file__))
         return
-    r = setup(start(argv), model_hook)
+    r = setup(config.start(DEFAULTS, argv), model_hook)
     try:
         train(r)
     except RuntimeError as e:
