@@ -198,7 +198,7 @@ class _F(torch.autograd.Function):
         comm = ctx.comm
         gx = gy @ w                                                     # (..., in): a partial sum
         if not comm.sp:
-            handle = comm.sum(gx, "bwd", async_op=True)         # start f's all-reduce ...
+            handle = comm.sum(gx, "bwd", async_op=True)                 # start f's all-reduce ...
         gy2 = gy.reshape(-1, gy.shape[-1])
         gw = (gy2.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[0])  # ... these matmuls run meanwhile
         gb = None if ctx.dtypes[1] is None else gy2.sum(0).to(ctx.dtypes[1])

@@ -134,7 +134,7 @@ def two_shot_peers(x, plan, side, join, replay=True):
     device, type)); join: the current stream waits for it at the end. replay: as a CUDA graph
     captured on x's first call (one launch instead of five); False: the five launches."""
     return load().two_shot_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p,
-                                   plan.replays, replay, side, join)
+                                 plan.replays, replay, side, join)
 
 
 def replays():
