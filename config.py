@@ -15,6 +15,7 @@ import traceback
 
 import torch
 
+import checkpoint
 import parallel
 import taco
 from data.loader import check_tokens, read_meta
@@ -137,7 +138,6 @@ def read_file(path, defaults):
 def start(defaults, argv):
     """The resolved, checked settings (parse, check), and out_dir claimed (checkpoint.claim); a refusal
     ends every rank before launch, said once per node without a traceback (refuse)."""
-    import checkpoint
     try:
         c = parse(defaults, argv)
         check(c, int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0")))

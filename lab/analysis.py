@@ -43,7 +43,7 @@ def _capture_worker(rank, world, steps):
         return tp_sum(x, direction, async_op)
     for it in range(steps + 1):
         if it == steps:
-            comm.sum = capturing                       # the last step's all-reduce inputs
+            comm.sum = capturing                              # the last step's all-reduce inputs
         x, y = batches.get("train", it)
         model(x, y)[1].backward()
         opt.step()
