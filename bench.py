@@ -363,6 +363,8 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
                               x, plan, ws.side, True)),
                           ("  the binding call, five launches", lambda: taco_ext.two_shot_peers(
                               x, plan, ws.side, True, replay=False)),
+                          ("  onto its stream and back, nothing run", lambda: taco_ext.on_side(ws.side, True,
+                                                                                          lambda: None)),
                           ("  one barrier launch", lambda: taco_ext.barrier(ws.pads, 0, 0)),
                           ("hint8 symm all-reduce, async + wait", lambda: ws.two_shot(x, cd, None, True).wait()),
                           ("taco.all_reduce's checks before it", lambda: (taco._check(x, None, cd), taco_symm.workspace(

@@ -260,7 +260,7 @@ class Codec:
         if x.dtype == torch.float64:            # codes come from fp32 values: a finite one past fp32's range saturates
             x = torch.where(x.isinf(), x, x.clamp(-FP32_MAX, FP32_MAX)).float()
         if self.kernel_ok(x):
-            return taco_ext.encode(self, x, M, L)
+            return taco_ext.load().encode(x.contiguous(), M, taco_ext.params(self, L))
         return self._encode_ref(x, M, L)
 
     def _encode_ref(self, x, M, L, rotated=False):
@@ -332,7 +332,8 @@ class Codec:
             y = self.decode(buf, L, n, torch.float32).double()
             return y if out is None else out.copy_(y)
         if self.kernel_ok(buf):
-            return taco_ext.decode(self, buf, L, n, odt, out)
+            out = torch.empty(n, dtype=odt, device=buf.device) if out is None else out      # the binding checks it
+            return taco_ext.load().decode(buf.contiguous(), out, taco_ext.params(self, L))
         big = torch.finfo(odt).max                                      # saturate, NaN stays NaN
         y = self._decode_ref(buf, L).reshape(-1)[:n].clamp(-big, big).to(odt)
         return y if out is None else out.copy_(y)
@@ -370,7 +371,7 @@ class Codec:
         rotation keeps a block's RMS). H is linear, so this is decode-sum-encode without the P + 1
         transforms per block, up to fp32 rounding. Unrotated codecs: the plain decode-sum-encode."""
         if self.kernel_ok(buf):
-            return taco_ext.reduce_encode(self, buf, L)
+            return taco_ext.load().reduce_encode(buf.contiguous(), taco_ext.params(self, L))
         return self._encode_ref(rank_order_sum(self._decode_ref(buf, L, rotated=True)), 1, L, rotated=True)[0]
 
     # === whole tensors ===
@@ -445,7 +446,7 @@ def _workspace(x, group, has_kernels, transport):
 def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False,
                transport="auto"):
     """In-place SUM of x over `group`, like torch.distributed.all_reduce: the two-shot compressed
-    all-reduce of the module docstring (_two_shot; inside a GPU node whose GPUs are peers, with
+    all-reduce of the module docstring (below; inside a GPU node whose GPUs are peers, with
     transport "auto" or "symm", the same six steps over symmetric memory: taco_symm.py). Returns x;
     with async_op=True a handle once steps 1-3 are started: handle.wait() leaves the sum in x.
     Codec none: torch.distributed's all-reduce (transport="symm": PyTorch's symmetric-memory one)."""
@@ -468,11 +469,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     ws = _workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
     if ws is not None:
         return ws.sum(x, cd, stats, async_op)
-    return _two_shot(x, group, cd, W, chunks, stats, async_op)
-
-
-def _two_shot(x, group, cd, W, chunks, stats, async_op):
-    """Steps 1-6 of the module docstring over torch.distributed, chunk by chunk."""
+    # steps 1-6 of the module docstring over torch.distributed, chunk by chunk
     n, flat = x.numel(), x.contiguous().view(-1)               # a copy only if x is not contiguous
     pending, wire = [], 0
     for a, b in _plan_chunks(n, W, cd.B, chunks):

@@ -1,8 +1,8 @@
 """
 The fused CUDA kernels (taco_kernels.cu), JIT-built on first use into build/taco_kernels, and the
-calls into them. taco.Codec calls encode / decode / reduce_encode for CUDA tensors of a codec that
-supports() covers; taco_symm.py calls the *_peers variants, whose messages sit in the peers'
-symmetric memory.
+calls into them. taco.Codec calls the binding's encode / decode / reduce_encode (load().encode(...))
+for CUDA tensors of a codec that supports() covers; taco_symm.py calls the *_peers variants below,
+whose messages sit in the peers' symmetric memory.
 
 A codec reaches the kernels as one named struct, TacoParams (taco_kernels.h; taco_binding.cpp
 exposes it as ext.Params with the same field names): params() below fills it by name.
@@ -13,7 +13,6 @@ import os
 import re
 import subprocess
 
-import torch
 import torch.distributed as dist
 
 SOURCES = ("taco_binding.cpp", "taco_kernels.cu", "taco_symm.cu")   # one extension
@@ -26,7 +25,7 @@ def supports(cd):
     """The kernels are built for B = 256 and for the (format, rotation, scale) of the codecs in
     taco.CODECS with a block scale or none: rotated + block scale in E4M3, E5M2, INT8, INT6 (taco,
     its variants, hint8, hint6), and E4M3 also rotated without a scale (ash) and unrotated (ds, fp8);
-    taco_kernels.cu's dispatch() has one instantiation each. The per-tensor-scale ablations
+    taco_kernels.cu's kernels() has one instantiation each. The per-tensor-scale ablations
     (fp8-tensor, hadamard) need a grid-wide absmax, INT4, other block sizes and other codecs other
     layouts: those run on the PyTorch reference, also on the GPU."""
     sp = getattr(cd, "spec", None)
@@ -95,19 +94,6 @@ def params(cd, L):
     return p
 
 
-def encode(cd, x, M, L, into=None):
-    return load().encode(x.contiguous(), M, params(cd, L), into)
-
-
-def decode(cd, buf, L, n, dtype, out=None):
-    out = torch.empty(n, dtype=dtype, device=buf.device) if out is None else out     # the binding checks it
-    return load().decode(buf.contiguous(), out, params(cd, L))
-
-
-def reduce_encode(cd, buf, L):
-    return load().reduce_encode(buf.contiguous(), params(cd, L))
-
-
 # messages at raw device addresses (the peers' symmetric memory): results into `out`
 def decode_peers(cd, ptrs, L, out):
     return load().decode_peers(ptrs, out, params(cd, L))
@@ -131,8 +117,8 @@ def barrier(pads, me, channel):
 def two_shot_peers(x, plan, side, join, replay=True):
     """The symmetric-memory all-reduce of taco_symm.Workspace in one binding call (its plan: the
     buffers, parameters, message addresses, signal pads and graphs), on stream `side` (its (id,
-    device, type)); join: the current stream waits for it at the end. replay: as a CUDA graph
-    captured on x's first call (one launch instead of five); False: the five launches."""
+    device, type)) as on_side puts it there; join: the current stream waits for it at the end.
+    replay: as a CUDA graph captured on x's first call (one launch instead of five); False: the five."""
     return load().two_shot_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p,
                                  plan.replays, replay, side, join)
 
@@ -140,6 +126,12 @@ def two_shot_peers(x, plan, side, join, replay=True):
 def replays():
     """A plan's store of CUDA graphs of its all-reduce, one per tensor (the binding's Replays)."""
     return load().Replays()
+
+
+def on_side(side, join, fn):
+    """fn() with stream `side` (its (id, device, type)) current, after the current stream's work so
+    far; join: the current stream waits for what fn queued (else later: join_stream)."""
+    return load().on_side(side, join, fn)
 
 
 def join_stream(side):

@@ -693,68 +693,68 @@ __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf,
   }
 }
 
-// encode and decode: one instantiation per (code format, rotation, block scale), reduce-encode one per
-// (format, block scale), as it never rotates; the adaptive scale and the dtype are
-// warp-uniform branches inside
-enum class Op { Encode, Decode, ReduceEncode };
+// One codec's kernels: encode and decode per (code format, rotation, block scale), reduce-encode per
+// (format, block scale), as it never rotates; the adaptive scale and the dtype are branches inside
+struct Kernels {
+  void (*encode)(const void* x, int dt, long long n, TacoParams p, uint8_t* out);
+  void (*decode)(TacoMsgs buf, TacoParams p, void* out, int dt, long long n);
+  void (*reduce_encode)(TacoMsgs buf, int P, TacoParams p, uint8_t* out);
+  bool decode_ahead;
+  int* per_sm;            // encode's CTAs per SM [16-bit input, fp32 input] (resident), asked on first use
+};
 
 template <int FMT, bool ROT, bool SCALE>
-void launch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
-            cudaStream_t st) {
-  const long long blocks = p.L / B;
-  if (op == Op::Encode) {
-    const bool f32 = dt == TACO_F32;
-    const int staged = EW * K * 32 * (f32 ? 32 : 16);               // bytes of dynamic shared memory
-    static int per_sm[2] = {};                                       // 16-bit, fp32 input
-    if (!per_sm[f32] && !capturing(st)) per_sm[f32] = resident(encode_kernel<FMT, ROT, SCALE>, 32 * EW, staged);
-    const int cap = 2 * (per_sm[f32] ? per_sm[f32] : ENC_CTAS);       // ~2 waves
-    const dim3 g(grid(blocks, K, true, cap, M, EW), M);
-    encode_kernel<FMT, ROT, SCALE><<<g, 32 * EW, staged, st>>>(x, dt, n, p, (uint8_t*)out);
-  } else if (op == Op::Decode) {
-    decode_kernel<FMT, ROT, SCALE><<<dim3(grid(blocks, K, decode_ahead<FMT>(), 8, M), M), 32 * WARPS, 0, st>>>(
-        buf, p, out, dt, n);
-  } else {
-    const unsigned g = grid(blocks, KR, true, RED_CTAS_PER_SM);
-    reduce_encode_kernel<FMT, SCALE><<<g, 32 * WARPS, 0, st>>>(buf, M, p, (uint8_t*)out);
-  }
+Kernels kernels_of() {
+  static int per_sm[2] = {};
+  return {encode_kernel<FMT, ROT, SCALE>, decode_kernel<FMT, ROT, SCALE>, reduce_encode_kernel<FMT, SCALE>,
+          decode_ahead<FMT>(), per_sm};
 }
 
 // The codecs of taco.CODECS that the kernels cover (taco_ext.supports says the same): rotated
 // with a block scale in every format; E4M3 also rotated without a scale (ash), and unrotated with
-// (ds) or without (fp8) a block scale. False: not built.
-bool dispatch(Op op, const void* x, int dt, long long n, TacoMsgs buf, int M, const TacoParams& p, void* out,
-              cudaStream_t st) {
+// (ds) or without (fp8) a block scale. All null: not built.
+Kernels kernels(const TacoParams& p) {
   const bool rot = p.rotate, scale = p.scale_block;
-  if (p.L / B >= (1LL << 30)) return false;    // block indices are 32-bit (taco_ext.params refuses it)
+  if (p.L / B >= (1LL << 30)) return {};       // block indices are 32-bit (taco_ext.params refuses it)
   if (p.fmt == TACO_E4M3) {
-    if (rot && scale) launch<TACO_E4M3, true, true>(op, x, dt, n, buf, M, p, out, st);
-    else if (rot) launch<TACO_E4M3, true, false>(op, x, dt, n, buf, M, p, out, st);
-    else if (scale) launch<TACO_E4M3, false, true>(op, x, dt, n, buf, M, p, out, st);
-    else launch<TACO_E4M3, false, false>(op, x, dt, n, buf, M, p, out, st);
-    return true;
+    if (rot) return scale ? kernels_of<TACO_E4M3, true, true>() : kernels_of<TACO_E4M3, true, false>();
+    return scale ? kernels_of<TACO_E4M3, false, true>() : kernels_of<TACO_E4M3, false, false>();
   }
-  if (!rot || !scale) return false;
+  if (!rot || !scale) return {};
   switch (p.fmt) {
-    case TACO_E5M2: launch<TACO_E5M2, true, true>(op, x, dt, n, buf, M, p, out, st); return true;
-    case TACO_INT8: launch<TACO_INT8, true, true>(op, x, dt, n, buf, M, p, out, st); return true;
-    case TACO_INT6: launch<TACO_INT6, true, true>(op, x, dt, n, buf, M, p, out, st); return true;
-    default: return false;
+    case TACO_E5M2: return kernels_of<TACO_E5M2, true, true>();
+    case TACO_INT8: return kernels_of<TACO_INT8, true, true>();
+    case TACO_INT6: return kernels_of<TACO_INT6, true, true>();
+    default: return {};
   }
 }
 
 }  // namespace
 
 bool taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8_t* out, cudaStream_t st) {
-  if (M == 0 || p.L == 0) return true;
-  return dispatch(Op::Encode, x, xdt, n, TacoMsgs{}, M, p, out, st);
+  const Kernels k = kernels(p);
+  const bool empty = M == 0 || p.L == 0;
+  if (empty || !k.encode) return empty;                             // nothing to do: done; no kernel: refused
+  const bool f32 = xdt == TACO_F32;
+  const int staged = EW * K * 32 * (f32 ? 32 : 16);                 // bytes of dynamic shared memory
+  if (!k.per_sm[f32] && !capturing(st)) k.per_sm[f32] = resident(k.encode, 32 * EW, staged);
+  const int cap = 2 * (k.per_sm[f32] ? k.per_sm[f32] : ENC_CTAS);   // ~2 waves
+  k.encode<<<dim3(grid(p.L / B, K, true, cap, M, EW), M), 32 * EW, staged, st>>>(x, xdt, n, p, out);
+  return true;
 }
 
 bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long long n, cudaStream_t st) {
-  if (M == 0 || p.L == 0 || n == 0) return true;
-  return dispatch(Op::Decode, nullptr, odt, n, buf, M, p, out, st);
+  const Kernels k = kernels(p);
+  const bool empty = M == 0 || p.L == 0 || n == 0;
+  if (empty || !k.decode) return empty;
+  k.decode<<<dim3(grid(p.L / B, K, k.decode_ahead, 8, M), M), 32 * WARPS, 0, st>>>(buf, p, out, odt, n);
+  return true;
 }
 
 bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
-  if (p.L / B == 0) return true;
-  return dispatch(Op::ReduceEncode, nullptr, 0, 0, buf, P, p, out, st);
+  const Kernels k = kernels(p);
+  const bool empty = p.L / B == 0;
+  if (empty || !k.reduce_encode) return empty;
+  k.reduce_encode<<<grid(p.L / B, KR, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, P, p, out);
+  return true;
 }

@@ -118,15 +118,13 @@ class Replays {
   ~Replays() {
     for (auto& kv : execs_) cudaGraphExecDestroy(kv.second);     // one still running is freed when done
   }
-  // the graph for x; if new, captured now on stream cs (work already queued there is not part of it)
-  // from launch_all(), which launches on the current stream
-  cudaGraphExec_t get(const torch::Tensor& x, const c10::cuda::CUDAStream& cs,
-                      const std::function<void()>& launch_all) {
+  // the graph for x; if new, captured now from launch_all() on the current stream cs (work already
+  // queued there is not part of it)
+  cudaGraphExec_t get(const torch::Tensor& x, cudaStream_t cs, const std::function<void()>& launch_all) {
     const auto key = std::make_pair(x.data_ptr(), dtype_code(x));
     const auto it = execs_.find(key);
     if (it != execs_.end()) return it->second;
     if (execs_.size() >= kMax) return nullptr;
-    const c10::cuda::CUDAStreamGuard on(cs);
     C10_CUDA_CHECK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
     cudaGraph_t graph = nullptr;
     try {
@@ -147,39 +145,52 @@ class Replays {
   std::map<std::pair<void*, int>, cudaGraphExec_t> execs_;
 };
 
+// The one way onto a workspace's side stream: stream `side` waits for the caller's, runs work() as the
+// current stream, and the caller's stream is current again (also after an error); with join it waits
+// for what `side` queued, else it joins later (join_stream, at handle.wait()).
+template <typename Work>
+void on_side(const StreamId& side, bool join, const Work& work) {
+  const c10::cuda::CUDAStream s = unpack(side);
+  const c10::cuda::CUDAGuard guard(s.device_index());
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
+  wait_for(s.stream(), caller.stream());                                  // the input is ready
+  {
+    const c10::cuda::CUDAStreamGuard on(s);
+    work();
+  }
+  if (join) wait_for(caller.stream(), s.stream());
+}
+
 // The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs one graph
 // launch (replay: a graph per tensor, Replays) or five kernel launches, not a dozen Python steps:
 // encode x into my A (one message per rank), barrier(0), reduce every peer's A[me] into my B,
-// barrier(1), decode every peer's B into x. All on the workspace's stream `side` (every call of a
-// workspace in order, as they share its buffers), after it waited for the caller's stream; join: the
-// caller's stream waits for it now (else at handle.wait(), join_stream). While the caller's stream is
-// being captured into a graph, the kernels are launched one by one (into that graph).
+// barrier(1), decode every peer's B into x. On the workspace's stream `side` (on_side; join: the
+// caller's stream waits for it now); while that stream is being captured into a graph (the caller's
+// is), the kernels are launched one by one (into that graph).
 void two_shot_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
                     const TacoPads& pads, int64_t me, const TacoParams& p, Replays& replays, bool replay,
                     const StreamId& side, bool join) {
   check(x, "input");
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream();
-  const c10::cuda::CUDAStream s = unpack(side);
-  const auto launch_all = [&] {                                           // on the current stream
+  TORCH_CHECK(x.get_device() == std::get<1>(side), "taco: the tensor is not on the workspace's GPU");
+  const auto launch_all = [&] {
     encode(x, mine.n_ptr, p, a);
     barrier(pads, (int)me, 0);
     reduce_encode(mine, mine.n_ptr, b, p);
     barrier(pads, (int)me, 1);
     decode(every, every.n_ptr, x, p);
   };
-  cudaStreamCaptureStatus capturing;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(caller, &capturing));
-  const bool own_graph = replay && capturing == cudaStreamCaptureStatusNone;
-  const cudaGraphExec_t exec = own_graph ? replays.get(x, s, launch_all) : nullptr;
-  wait_for(s.stream(), caller);                                           // the input is ready
-  if (exec) {
-    C10_CUDA_CHECK(cudaGraphLaunch(exec, s.stream()));
-  } else {
-    const c10::cuda::CUDAStreamGuard on_side(s);
-    launch_all();
-  }
-  if (join) wait_for(caller, s.stream());
+  on_side(side, join, [&] {
+    const cudaStream_t s = c10::cuda::getCurrentCUDAStream();
+    cudaStreamCaptureStatus capturing;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
+    const bool own_graph = replay && capturing == cudaStreamCaptureStatusNone;
+    const cudaGraphExec_t exec = own_graph ? replays.get(x, s, launch_all) : nullptr;
+    if (exec) {
+      C10_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    } else {
+      launch_all();
+    }
+  });
 }
 
 }  // namespace
@@ -192,6 +203,8 @@ void bind_symm(pybind11::module_& m) {
   m.def("two_shot_peers", &two_shot_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
         "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("pads"),
         py::arg("me"), py::arg("p"), py::arg("replays"), py::arg("replay"), py::arg("side"), py::arg("join"));
+  m.def("on_side", [](const StreamId& side, bool join, const py::function& work) { on_side(side, join, work); },
+        "work() on stream `side`, after the current stream's work; join: the current stream waits for it");
   m.def("barrier", [](const TacoPads& pads, int64_t me, int64_t channel) {
     TORCH_CHECK(0 <= me && me < pads.W && channel >= 0, "taco: barrier of rank ", me, " of ", pads.W, ", channel ",
                 channel);

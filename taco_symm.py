@@ -155,20 +155,25 @@ class Workspace:
 
     @torch.compiler.disable            # streams and raw addresses: run eagerly, also inside torch.compile
     def run(self, fn, async_op, then=None):
-        """fn() on this workspace's stream, ordered after the caller's stream; the caller's stream
-        waits for it now, or at handle.wait() (async_op: other work meanwhile, e.g. the weight-
-        gradient matmuls), and then runs then()."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))     # the input is ready
-        with torch.cuda.stream(self.stream):
-            fn()
+        """fn() on this workspace's stream, ordered after the caller's stream (the binding's on_side,
+        the one way onto it); the caller's stream waits for it now, or at handle.wait() (async_op:
+        other work meanwhile, e.g. the weight-gradient matmuls), and then runs then()."""
+        taco_ext.on_side(self.side, not async_op, fn)
+        return self._joined(async_op, then)
 
-        def done():
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+    def _joined(self, async_op, then):
+        """After work queued on this workspace's stream (joined already unless async_op): then()
+        now, or a handle whose wait() joins the stream, then runs then()."""
+        if not async_op:
             if then is not None:
                 then()
-        if async_op:
-            return Pending(done)
-        done()
+            return None
+
+        def done():
+            taco_ext.join_stream(self.side)
+            if then is not None:
+                then()
+        return Pending(done)
 
     def sum(self, x, cd, stats, async_op):
         """taco.all_reduce of x over this workspace: compressed by codec cd, or for the codec `none`
@@ -185,21 +190,12 @@ class Workspace:
     @torch.compiler.disable            # raw addresses and a callback: run eagerly, also inside torch.compile
     def two_shot(self, flat, cd, stats, async_op, then=None):
         """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode) on this
-        workspace's stream, as run() orders it: joined now, or with async_op at handle.wait()."""
+        workspace's stream: joined now, or with async_op at handle.wait() (run)."""
         plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
         if stats is not None:
             stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_ext.two_shot_peers(flat, plan, self.side, join=not async_op)
-        if not async_op:
-            if then is not None:
-                then()
-            return None
-
-        def done():
-            taco_ext.join_stream(self.side)
-            if then is not None:
-                then()
-        return Pending(done)
+        taco_ext.two_shot_peers(flat, plan, self.side, join=not async_op)   # on_side, in the binding
+        return self._joined(async_op, then)
 
     def _plan(self, n, cd):
         """make_plan for n elements, once per (n, codec) (the buffer grows only before a plan is
@@ -242,7 +238,7 @@ class Workspace:
         out = torch.empty(self.W, L, dtype=torch.float32, device=self.device)
 
         def fn():
-            taco_ext.encode(cd, x, M, L, into=self.buf[:M * S])
+            taco_ext.load().encode(x.contiguous(), M, taco_ext.params(cd, L), self.buf[:M * S])
             taco_ext.barrier(self.pads, self.me, 0)
             taco_ext.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
             taco_ext.barrier(self.pads, self.me, 1)      # nobody rewrites its A before all have read it

@@ -240,19 +240,22 @@ def mean_loss(r, split, it, n, train):
     on every rank: a plain loop at pp = 1, the pipeline schedule otherwise."""
     model, grid, c = r.model, r.grid, r.cfg
 
-    def forward(i, hidden):
-        x, y = r.batches.get(split, it, i)
-        with r.autocast:
-            out, loss = r.fwd_model(x if model.first else None, y if model.last else None, hidden)
-        return out, (None if loss is None else loss / n)
     if grid.pp == 1:
         total = 0.0
         for i in range(n):
-            loss = forward(i, None)[1]
+            x, y = r.batches.get(split, it, i)
+            with r.autocast:
+                loss = r.fwd_model(x, y)[1] / n
             if train:
                 loss.backward()
             total = total + loss.detach()
         return total
+
+    def forward(i, hidden):                              # one micro-batch on this stage, for run_pipeline
+        x, y = r.batches.get(split, it, i)
+        with r.autocast:
+            out, loss = r.fwd_model(x if model.first else None, y if model.last else None, hidden)
+        return out, (None if loss is None else loss / n)
     actions = (parallel.pipeline_schedule(c["schedule"], n, grid.pp_rank, grid.pp) if train
                else [("F", i) for i in range(n)])
     seq = c["block_size"] // grid.tp if c["sequence_parallel"] else c["block_size"]   # the activation between stages
