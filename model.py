@@ -370,9 +370,9 @@ class GPT(nn.Module):
             assert not self.comm.sp, "the last position alone: not with sequence parallelism"
             return self.lm_head(self.ln_f(x)[:, -1:, :]), None                     # (B, 1, V/tp)
         logits = self.lm_head(self.ln_f(x))                                          # (B, T, V/tp)
-        if self.comm.size == 1:      # the whole vocabulary here: PyTorch's loss (torch.compile fuses it)
-            real = logits[..., :c.vocab_size].flatten(0, 1).float()                  # padding excluded
-            return logits, F.cross_entropy(real, targets.flatten(), ignore_index=-1)
+        if self.comm.size == 1:      # the whole vocabulary here: PyTorch's loss, fused by torch.compile (unlike a slice)
+            real = logits.float().masked_fill(torch.arange(logits.shape[-1], device=x.device) >= c.vocab_size, -torch.inf)
+            return logits, F.cross_entropy(real.flatten(0, 1), targets.flatten(), ignore_index=-1)   # padding: -inf
         start = self.comm.rank * logits.shape[-1]                                   # this rank's first column
         loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
                                                start, c.vocab_size - start, self.comm.group)   # padding excluded

@@ -291,3 +291,21 @@ def test_speed_of_light_skips_the_tp_all_reduces(tmp_path):
     run(common + [f"--out_dir={tmp_path / 'real'}"], nproc=2)
     assert wire["all"] == wire["sites"] == [0, 0] and all(w > 0 for w in wire["fwd"])
     assert losses(str(tmp_path / "all"))[0][1] != losses(str(tmp_path / "real"))[0][1]
+
+
+def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
+    """lab.peer_profile: per profiled step, by kind and by name (template arguments and Triton's
+    running number dropped, so two compiles' kernels match); busy time counts overlap once."""
+    from lab import peer_profile
+    k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts * 1000, "dur": dur * 1000}
+    ev = [k("sm90_xmma_gemm_bf16", 0, 10), k("triton_red_fused__log_softmax_3", 5, 10),
+          k("triton_red_fused__log_softmax_7", 30, 5), k("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 40, 10)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": ev}))
+    kinds, names, busy, span = peer_profile.per_step(str(path))
+    S = peer_profile.STEPS
+    assert kinds == pytest.approx({"matmul": 10 / S, "loss": 15 / S, "optimizer": 10 / S})
+    assert names["triton_red_fused__log_softmax"] == pytest.approx(15 / S)
+    assert names["void multi_tensor_apply_kernel"] == pytest.approx(10 / S)
+    assert (busy, span) == pytest.approx((30 / S, 50 / S))              # 0-15, 30-35, 40-50 busy
+    assert peer_profile.kind("void at::native::lpnorm_cleanup<float>") == "norm, clip (foreach)"

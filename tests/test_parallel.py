@@ -113,6 +113,21 @@ def test_vocab_parallel_cross_entropy(tp):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
 
 
+def test_tp1_loss_leaves_out_the_vocabulary_padding():
+    """At TP=1 the model's loss is PyTorch's over the real columns only (padding at -inf): the
+    same loss as over a slice, and no gradient into the padding rows of the (tied) embedding."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=200, n_layer=1, n_head=2, n_embd=16))   # padded to 256
+    idx, targets = torch.randint(0, 200, (2, 8)), torch.randint(0, 200, (2, 8))
+    targets[0, 3] = -1                                                  # ignored position
+    logits, loss = model(idx, targets)
+    ref = F.cross_entropy(logits[..., :200].flatten(0, 1), targets.flatten(), ignore_index=-1)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    loss.backward()
+    assert logits.shape[-1] == 256 and model.wte.weight.grad[200:].abs().max() == 0
+    assert model.wte.weight.grad[:200].abs().max() > 0
+
+
 # --- the whole model: TP=N vs TP=1 -----------------------------------------------------------------
 
 CFG = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=4, n_embd=32, bias=True)
