@@ -634,29 +634,51 @@ runpy.run_path("bench_peer.py", run_name="__main__")
 print("peak bytes", torch.cuda.max_memory_allocated())"""
 
 
-def _peer_nanogpt(folder, shape, clip=False):
-    """nanoGPT's bench loop (10 steps of burn-in, then 20 timed; compiled, bf16 autocast, fused AdamW,
-    random tokens on the GPU; clip: with its train.py's clipping): (ms/step, peak GiB)."""
-    import re
-    p = subprocess.run([sys.executable, "-c", _PEER_RUNNER, *[f"--{k}={v}" for k, v in shape.items()]], cwd=folder,
-                       capture_output=True, text=True, timeout=1200, env={**os.environ, "PEER_CLIP": "1" if clip else ""})
-    ms, peak = re.search(r"time per iteration: ([\d.]+)ms", p.stdout), re.search(r"peak bytes (\d+)", p.stdout)
-    if p.returncode or not ms:
+def peer_folder(nanogpt):
+    """The folder holding nanoGPT's bench_peer.py: `nanogpt` itself or its subfolder nanogpt/."""
+    folder = nanogpt if os.path.exists(os.path.join(nanogpt, "bench_peer.py")) else os.path.join(nanogpt, "nanogpt")
+    if not os.path.exists(os.path.join(folder, "bench_peer.py")):
+        raise SystemExit(f"{nanogpt}: no bench_peer.py there (a nanoGPT folder with it, or the folder above one)")
+    return folder
+
+
+def run_nanogpt(folder, shape, clip=False, extra=()):
+    """nanoGPT's bench_peer.py (through _PEER_RUNNER) in `folder` on the shape; its stdout."""
+    p = subprocess.run([sys.executable, "-c", _PEER_RUNNER, *[f"--{k}={v}" for k, v in shape.items()], *extra],
+                       cwd=folder, capture_output=True, text=True, timeout=1200,
+                       env={**os.environ, "PEER_CLIP": "1" if clip else ""})
+    if p.returncode:
         raise SystemExit(f"{folder}/bench_peer.py failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-    return float(ms.group(1)), int(peak.group(1)) / 2 ** 30
+    return p.stdout
 
 
-def _peer_ours(shape, extra):
-    """train.py at TP=1 on the shape (no bias, no dropout, compiled, 30 steps): the mean of its log
-    lines at steps 20 and 30 (steps 11-30, as the peer's 20 after 10), and its peak GiB."""
-    out = os.path.join("out", "peer")
+def run_ours(shape, out, extra=()):
+    """train.py at TP=1 on the shape (no bias, no dropout, compiled, 30 steps, a log line every 10) into `out`."""
     cmd = [sys.executable, "train.py", *[f"--{k}={v}" for k, v in shape.items()], "--bias=False", "--compile=True",
            "--max_iters=30", "--log_interval=10", "--eval_interval=0", "--ckpt_interval=-1", "--sample_tokens=0",
            "--progress=False", "--overwrite=True", f"--out_dir={out}", *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
-    logs = [json.loads(line) for line in open(os.path.join(out, "log.jsonl")) if '"ms"' in line]
+
+
+def _peer_nanogpt(folder, shape, clip=False):
+    """nanoGPT's bench loop (10 steps of burn-in, then 20 timed; compiled, bf16 autocast, fused AdamW,
+    random tokens on the GPU; clip: with its train.py's clipping): (ms/step, peak GiB)."""
+    import re
+    out = run_nanogpt(folder, shape, clip)
+    ms, peak = re.search(r"time per iteration: ([\d.]+)ms", out), re.search(r"peak bytes (\d+)", out)
+    if not ms:
+        raise SystemExit(f"{folder}/bench_peer.py printed no time per iteration:\n{out[-2000:]}")
+    return float(ms.group(1)), int(peak.group(1)) / 2 ** 30
+
+
+def _peer_ours(shape, extra):
+    """train.py at TP=1 on the shape (run_ours): the mean of its log lines at steps 20 and 30 (steps
+    11-30, as the peer's 20 after 10), and its peak GiB."""
+    out = os.path.join("out", "peer")
+    run_ours(shape, out, extra)
+    logs = [json.loads(line) for line in open(os.path.join(ROOT, out, "log.jsonl")) if '"ms"' in line]
     timed = [r for r in logs if r["iter"] in (20, 30)]
     return sum(r["ms"] for r in timed) / len(timed), logs[-1]["peak_mem_gib"]
 
@@ -668,9 +690,7 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
     grad_clip=0.0: what a difference costs). MFU for both from the same FLOPs per token (6N +
     attention, our count of the shape) against the H200's dense bf16 peak."""
     from model import GPTConfig
-    folder = nanogpt if os.path.exists(os.path.join(nanogpt, "bench_peer.py")) else os.path.join(nanogpt, "nanogpt")
-    if not os.path.exists(os.path.join(folder, "bench_peer.py")):
-        raise SystemExit(f"{nanogpt}: no bench_peer.py there (a nanoGPT folder with it, or the folder above one)")
+    folder = peer_folder(nanogpt)
     rows = []
     for name in shapes:
         shape = PEER_SHAPES[name]

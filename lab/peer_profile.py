@@ -12,11 +12,10 @@ import glob
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
-from bench import _PEER_RUNNER, PEER_SHAPES, ROOT, save, table, trace_kernels
+from bench import PEER_SHAPES, peer_folder, run_nanogpt, run_ours, save, table, trace_kernels
 from lab.analysis import _length, _merge
 
 STEPS = 5
@@ -57,23 +56,16 @@ def profile_nanogpt(folder, shape, tmp):
     os.makedirs(work)
     for f in ("bench_peer.py", "model.py", "configurator.py"):
         shutil.copy(os.path.join(folder, f), work)
-    args = [f"--{k}={v}" for k, v in shape.items()] + ["--profile=True"]
-    p = subprocess.run([sys.executable, "-c", _PEER_RUNNER, *args], cwd=work, capture_output=True, text=True,
-                       timeout=1200, env={**os.environ, "PEER_CLIP": "1"})
+    out = run_nanogpt(work, shape, clip=True, extra=["--profile=True"])
     traces = glob.glob(os.path.join(work, "bench_log", "*.json*"))
-    if p.returncode or not traces:
-        raise SystemExit(f"nanoGPT's profile run failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    if not traces:
+        raise SystemExit(f"nanoGPT's profile run wrote no trace:\n{out[-2000:]}")
     return traces[0]
 
 
 def profile_ours(shape, tmp):
     out = os.path.join(tmp, "ours")
-    cmd = [sys.executable, "train.py", *[f"--{k}={v}" for k, v in shape.items()], "--bias=False", "--compile=True",
-           "--max_iters=30", "--log_interval=10", "--eval_interval=0", "--ckpt_interval=-1", "--sample_tokens=0",
-           "--progress=False", f"--out_dir={out}", f"--profile_steps={STEPS}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    if p.returncode:
-        raise SystemExit(f"train.py's profile run failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
+    run_ours(shape, out, [f"--profile_steps={STEPS}"])
     return os.path.join(out, "trace_rank0.json.gz")
 
 
@@ -84,22 +76,16 @@ def main(argv):
     ap.add_argument("--top", type=int, default=15, help="kernel names with the largest difference to list")
     ap.add_argument("--tag", default="peer_profile", help="results/<tag>.json")
     a = ap.parse_args(argv)
-    folder = a.nanogpt if os.path.exists(os.path.join(a.nanogpt, "bench_peer.py")) else os.path.join(a.nanogpt, "nanogpt")
-    shape = PEER_SHAPES[a.shape]
+    folder, shape = peer_folder(a.nanogpt), PEER_SHAPES[a.shape]
     with tempfile.TemporaryDirectory() as tmp:
         theirs, ours = per_step(profile_nanogpt(folder, shape, tmp)), per_step(profile_ours(shape, tmp))
-    ms = lambda v: round(v, 3)
-    rows = [{"what": "GPU busy (kernels, overlap counted once)", "nanoGPT + clip ms": ms(theirs[2]), "ours ms": ms(ours[2]),
-             "ours - nanoGPT": ms(ours[2] - theirs[2])},
-            {"what": "first to last kernel", "nanoGPT + clip ms": ms(theirs[3]), "ours ms": ms(ours[3]),
-             "ours - nanoGPT": ms(ours[3] - theirs[3])}]
-    for k in sorted(set(theirs[0]) | set(ours[0])):
-        t, o = theirs[0].get(k, 0.0), ours[0].get(k, 0.0)
-        rows.append({"what": f"kind: {k}", "nanoGPT + clip ms": ms(t), "ours ms": ms(o), "ours - nanoGPT": ms(o - t)})
+    row = lambda what, t, o: {"what": what, "nanoGPT + clip ms": round(t, 3), "ours ms": round(o, 3),
+                              "ours - nanoGPT": round(o - t, 3)}
+    rows = [row("GPU busy (kernels, overlap counted once)", theirs[2], ours[2]),
+            row("first to last kernel", theirs[3], ours[3])]
+    rows += [row(f"kind: {k}", theirs[0].get(k, 0.0), ours[0].get(k, 0.0)) for k in sorted(set(theirs[0]) | set(ours[0]))]
     names = sorted(set(theirs[1]) | set(ours[1]), key=lambda n: -abs(ours[1].get(n, 0) - theirs[1].get(n, 0)))
-    for n in names[:a.top]:
-        t, o = theirs[1].get(n, 0.0), ours[1].get(n, 0.0)
-        rows.append({"what": n, "nanoGPT + clip ms": ms(t), "ours ms": ms(o), "ours - nanoGPT": ms(o - t)})
+    rows += [row(n, theirs[1].get(n, 0.0), ours[1].get(n, 0.0)) for n in names[:a.top]]
     save(a.tag, rows, shape={a.shape: shape}, steps=STEPS,
          note="per profiled step; nanoGPT's bench_peer.py --profile=True with its train.py's clipping, train.py at "
               "TP=1 --profile_steps=5; kernel names without template arguments or Triton's running number")
