@@ -10,6 +10,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
     python bench.py hf configs/qwen2_5_0_5b.py               # GPU: our model vs transformers', TP=1, compiled
     python bench.py peer --nanogpt=../shared/anchors         # GPU: train.py at TP=1 vs nanoGPT's bench loop
 """
+
 import argparse
 import contextlib
 import gzip
@@ -39,12 +40,21 @@ def command():
 
 
 def environment():
-    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": command(),
-           "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-           "cpu_threads": torch.get_num_threads()}
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": command(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
-        env.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda,
-                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+        env.update(
+            gpu=torch.cuda.get_device_name(),
+            gpus=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+        )
     return env
 
 
@@ -66,6 +76,7 @@ def table(rows, cols):
 
 # -----------------------------------------------------------------------------
 # GPU timing
+
 
 def cuda_time(fn, iters=20, warmup=3, before=None):
     """Median time in microseconds of fn() over `iters` runs, each bracketed by CUDA events
@@ -110,7 +121,7 @@ def host_time(fn, iters=50, reps=5):
     ts = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)                        # tens of milliseconds of GPU time
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
@@ -122,14 +133,25 @@ def host_time(fn, iters=50, reps=5):
 # -----------------------------------------------------------------------------
 # reading a kernel timeline (train.py --profile_steps; lab.analysis trace-report splits it further)
 
+
 def kernel_kind(name):
     """What a CUDA kernel is: the TP transport (NCCL kernels, symmetric-memory barriers, torch's
     symmetric-memory all-reduce), our codec kernels, copies, or the rest (compute)."""
     name = name.lower()
-    return ("comm: nccl" if "nccl" in name else "comm: symm barrier" if "barrier" in name else
-            "comm: symm two-shot" if "all_reduce" in name else             # torch's symm_mem kernels
-            "codec kernels" if "encode_kernel" in name or "decode_kernel" in name else
-            "memcpy/memset" if "memcpy" in name or "memset" in name else "compute")
+    return (
+        "comm: nccl"
+        if "nccl" in name
+        else "comm: symm barrier"
+        if "barrier" in name
+        else "comm: symm two-shot"
+        if "all_reduce" in name
+        # torch's symm_mem kernels
+        else "codec kernels"
+        if "encode_kernel" in name or "decode_kernel" in name
+        else "memcpy/memset"
+        if "memcpy" in name or "memset" in name
+        else "compute"
+    )
 
 
 def trace_kernels(path):
@@ -138,7 +160,9 @@ def trace_kernels(path):
     with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         ev = json.load(f)
     ev = ev["traceEvents"] if isinstance(ev, dict) else ev
-    return [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [
+        (e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
 
 
 def kernel_ms_by_kind(path, steps):
@@ -153,6 +177,7 @@ def kernel_ms_by_kind(path, steps):
 # -----------------------------------------------------------------------------
 # the kernels, against the copy ceiling and the unfused reference
 
+
 def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256), tag="kernels", dtype="bfloat16"):
     """Fused compress / decompress / reduce-compress GB/s (bytes read + written), input and output in
     dtype, next to a device-to-device copy of it (the ceiling) and the unfused PyTorch reference."""
@@ -161,54 +186,84 @@ def bench_kernels(codecs=("hint8", "taco", "hint6"), sizes_m=(1, 4, 16, 64, 256)
     taco_ext.load()
     rows = []
     for m in sizes_m:
-        n = m * 2 ** 20
+        n = m * 2**20
         x = torch.randn(n, device="cuda", dtype=dt)
         y = torch.empty_like(x)
         t_copy = device_time(lambda: y.copy_(x))
         copy_gbs = 2 * es * n / t_copy / 1e3
-        rows.append({"elements": f"{m}M", "op": "copy (ceiling)", "codec": "-", "us": f"{t_copy:.1f}",
-                     "GB/s": f"{copy_gbs:.0f}", "% of copy": "100"})
+        rows.append(
+            {
+                "elements": f"{m}M",
+                "op": "copy (ceiling)",
+                "codec": "-",
+                "us": f"{t_copy:.1f}",
+                "GB/s": f"{copy_gbs:.0f}",
+                "% of copy": "100",
+            }
+        )
         for name in codecs:
             cd = taco.get_codec(name)
             S = cd.nbytes(n)
             buf, half = cd.encode(x, 1, n), cd.encode(x, 2, n // 2)
-            ops = [("compress", lambda: cd.encode(x, 1, n), es * n + S),
-                   ("decompress", lambda: cd.decode(buf, n, n, dt, out=y), S + es * n),
-                   ("reduce-compress P=2", lambda: cd.reduce_encode(half, n // 2), 3 * cd.nbytes(n // 2))]
+            ops = [
+                ("compress", lambda: cd.encode(x, 1, n), es * n + S),
+                ("decompress", lambda: cd.decode(buf, n, n, dt, out=y), S + es * n),
+                ("reduce-compress P=2", lambda: cd.reduce_encode(half, n // 2), 3 * cd.nbytes(n // 2)),
+            ]
             if m <= 64:
                 ops.append(("compress, unfused torch", lambda: cd._encode_ref(x, 1, n), es * n + S))
             for op, fn, nbytes in ops:
                 t = cuda_time(fn, iters=5) if "unfused" in op else device_time(fn)
                 gbs = nbytes / t / 1e3
-                rows.append({"elements": f"{m}M", "op": op, "codec": name, "us": f"{t:.1f}", "GB/s": f"{gbs:.0f}",
-                             "% of copy": f"{100 * gbs / copy_gbs:.0f}"})
-        x = y = None                                   # freed before the next size
+                rows.append(
+                    {
+                        "elements": f"{m}M",
+                        "op": op,
+                        "codec": name,
+                        "us": f"{t:.1f}",
+                        "GB/s": f"{gbs:.0f}",
+                        "% of copy": f"{100 * gbs / copy_gbs:.0f}",
+                    }
+                )
+        x = y = None  # freed before the next size
         torch.cuda.empty_cache()
-    save(tag, rows, nvcc_flags=os.environ.get("TACO_NVCC_FLAGS", ""), note="GB/s = (bytes read + bytes written) / "
-         f"time; input and output {dtype} (reduce-compress: codes only); time = mean GPU time of 50 back-to-back "
-         "runs (launch overhead hidden), the unfused reference: median of 5 single runs")
+    save(
+        tag,
+        rows,
+        nvcc_flags=os.environ.get("TACO_NVCC_FLAGS", ""),
+        note="GB/s = (bytes read + bytes written) / "
+        f"time; input and output {dtype} (reduce-compress: codes only); time = mean GPU time of 50 back-to-back "
+        "runs (launch overhead hidden), the unfused reference: median of 5 single runs",
+    )
     table(rows, ["elements", "op", "codec", "us", "GB/s", "% of copy"])
 
 
 # -----------------------------------------------------------------------------
 # the backward's overlap in isolation: codec kernels beside a weight-gradient matmul
 
-OVERLAP_SHAPES = {   # name: (tokens, width C, TP size): one rank's MLP fc backward (input gradient T x C)
-    "gpt1b tp2": (16384, 2048, 2), "gpt2s tp2": (16384, 768, 2), "gpt2s tp8": (16384, 768, 8),
-    "gpt7b tp2": (16384, 4096, 2), "gpt7b tp8": (16384, 4096, 8)}
+OVERLAP_SHAPES = {  # name: (tokens, width C, TP size): one rank's MLP fc backward (input gradient T x C)
+    "gpt1b tp2": (16384, 2048, 2),
+    "gpt2s tp2": (16384, 768, 2),
+    "gpt2s tp8": (16384, 768, 8),
+    "gpt7b tp2": (16384, 4096, 2),
+    "gpt7b tp8": (16384, 4096, 8),
+}
 # how the pair is issued: which goes first, stream priorities, the matmul split; and SM partitions:
 # the codec on a green context of k SMs (torch.cuda.green_contexts), the matmul told to target all
 # but k (cuBLASLt's SM count target: torch._C._set_sm_carveout_experimental), or both. (Grids capped
 # at N CTAs, with the kernels of commit 0d5a585, lost everywhere: docs/RESULTS.md.)
-OVERLAP_VARIANTS = [("codec first", dict(first="codec")),
-                    ("codec first, its stream high priority", dict(first="codec", codec_prio=-1)),
-                    ("matmul first", dict(first="matmul")),
-                    ("matmul first, its stream high priority", dict(first="matmul", mm_prio=-1)),
-                    ("matmul in two halves, codec after the first", dict(first="split"))]
+OVERLAP_VARIANTS = [
+    ("codec first", dict(first="codec")),
+    ("codec first, its stream high priority", dict(first="codec", codec_prio=-1)),
+    ("matmul first", dict(first="matmul")),
+    ("matmul first, its stream high priority", dict(first="matmul", mm_prio=-1)),
+    ("matmul in two halves, codec after the first", dict(first="split")),
+]
 OVERLAP_VARIANTS += [(f"codec on {k} SMs (green context)", dict(first="codec", codec_sms=k)) for k in (8, 16, 32)]
 OVERLAP_VARIANTS += [(f"matmul targets all but {k} SMs (cuBLASLt)", dict(first="codec", carve=k)) for k in (8, 16, 32)]
-OVERLAP_VARIANTS += [(f"codec on {k} SMs, matmul on the rest", dict(first="codec", codec_sms=k, carve=k))
-                     for k in (8, 16, 32)]
+OVERLAP_VARIANTS += [
+    (f"codec on {k} SMs, matmul on the rest", dict(first="codec", codec_sms=k, carve=k)) for k in (8, 16, 32)
+]
 _GREEN = {}
 
 
@@ -219,7 +274,7 @@ def _codec_on(k):
     if not k:
         yield
         return
-    if k not in _GREEN:                              # the context and, torch >= 2.12, its own stream
+    if k not in _GREEN:  # the context and, torch >= 2.12, its own stream
         gc = torch.cuda.green_contexts.GreenContext.create(num_sms=k)
         _GREEN[k] = gc, gc.Stream() if hasattr(gc, "Stream") else None
     (gc, s), here = _GREEN[k], torch.cuda.current_stream()
@@ -228,8 +283,8 @@ def _codec_on(k):
         with torch.cuda.stream(s):
             yield
         here.wait_stream(s)
-    else:                                            # torch 2.10-2.11: the context made current
-        (getattr(gc, "set_context", None) or gc.make_current)()   # its default stream waits for `here`
+    else:  # torch 2.10-2.11: the context made current
+        (getattr(gc, "set_context", None) or gc.make_current)()  # its default stream waits for `here`
         try:
             yield
         finally:
@@ -275,24 +330,51 @@ def bench_overlap(codecs=("hint8", "hint6", "taco"), shapes=tuple(OVERLAP_SHAPES
 
             def codec_kernels():
                 cd.encode(grad, t, L), cd.reduce_encode(msgs, L), cd.decode(msgs, L, n, out=out)
+
             alone_mm, alone_cd = device_time(mm[0]), device_time(codec_kernels)
             serial = alone_mm + alone_cd
-            base = dict(shape=shape, codec=codec, **{"matmul alone us": f"{alone_mm:.1f}",
-                                                     "codec alone us": f"{alone_cd:.1f}"})
-            rows.append(dict(base, variant="one after the other", **{"pair us": f"{serial:.1f}",
-                             "vs matmul": f"{serial / alone_mm:.2f}x", "vs serial": "1.00x"}))
-            for name, fn in ([("alone: matmul through cuBLASLt", lambda: _alone(mm[0], carve=0))] +
-                             [(f"alone: matmul, all but {k} SMs (cuBLASLt)", lambda k=k: _alone(mm[0], carve=k))
-                              for k in (8, 16, 32)] +
-                             [(f"alone: codec on {k} SMs (green context)", lambda k=k: _alone(codec_kernels, k))
-                              for k in (8, 16, 32)]):
+            base = dict(
+                shape=shape, codec=codec, **{"matmul alone us": f"{alone_mm:.1f}", "codec alone us": f"{alone_cd:.1f}"}
+            )
+            rows.append(
+                dict(
+                    base,
+                    variant="one after the other",
+                    **{"pair us": f"{serial:.1f}", "vs matmul": f"{serial / alone_mm:.2f}x", "vs serial": "1.00x"},
+                )
+            )
+            for name, fn in (
+                [("alone: matmul through cuBLASLt", lambda: _alone(mm[0], carve=0))]
+                + [
+                    (f"alone: matmul, all but {k} SMs (cuBLASLt)", lambda k=k: _alone(mm[0], carve=k))
+                    for k in (8, 16, 32)
+                ]
+                + [
+                    (f"alone: codec on {k} SMs (green context)", lambda k=k: _alone(codec_kernels, k))
+                    for k in (8, 16, 32)
+                ]
+            ):
                 t_alone = device_time(fn)
-                rows.append(dict(base, variant=name, **{"pair us": f"{t_alone:.1f}",
-                                 "vs matmul": f"{t_alone / alone_mm:.2f}x", "vs serial": "-"}))
+                rows.append(
+                    dict(
+                        base,
+                        variant=name,
+                        **{"pair us": f"{t_alone:.1f}", "vs matmul": f"{t_alone / alone_mm:.2f}x", "vs serial": "-"},
+                    )
+                )
             for name, v in OVERLAP_VARIANTS:
                 pair = _overlap_pair(mm if v["first"] != "split" else halves, codec_kernels, iters, **v)
-                rows.append(dict(base, variant=name, **{"pair us": f"{pair:.1f}", "vs matmul": f"{pair / alone_mm:.2f}x",
-                                                        "vs serial": f"{pair / serial:.2f}x"}))
+                rows.append(
+                    dict(
+                        base,
+                        variant=name,
+                        **{
+                            "pair us": f"{pair:.1f}",
+                            "vs matmul": f"{pair / alone_mm:.2f}x",
+                            "vs serial": f"{pair / serial:.2f}x",
+                        },
+                    )
+                )
     save(tag, rows, note=bench_overlap.__doc__)
     table(rows, ["shape", "codec", "variant", "matmul alone us", "codec alone us", "pair us", "vs matmul", "vs serial"])
 
@@ -314,7 +396,7 @@ def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0,
         start, end, half = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         torch.cuda.synchronize()
         with torch.cuda.stream(mm_stream):
-            torch.cuda._sleep(20_000_000)            # holds both streams while the host queues the pair
+            torch.cuda._sleep(20_000_000)  # holds both streams while the host queues the pair
             start.record()
         cd_stream.wait_event(start)
         with torch.cuda.stream(mm_stream), _matmul_on(carve):
@@ -323,22 +405,23 @@ def _overlap_pair(matmuls, codec_kernels, iters, first, codec_prio=0, mm_prio=0,
             elif first == "split":
                 matmuls[0]()
                 half.record(mm_stream)
-                cd_stream.wait_event(half)           # the codec starts once the first half is done
+                cd_stream.wait_event(half)  # the codec starts once the first half is done
         with torch.cuda.stream(cd_stream), _codec_on(codec_sms):
             codec_kernels()
         with torch.cuda.stream(mm_stream), _matmul_on(carve):
             for m in matmuls[1:] if first == "split" else matmuls if first == "codec" else []:
                 m()
             mm_stream.wait_stream(cd_stream)
-            end.record()                             # after both
+            end.record()  # after both
         torch.cuda.synchronize()
-        if i >= 3:                                   # warm-up rounds left out
+        if i >= 3:  # warm-up rounds left out
             spans.append(start.elapsed_time(end) * 1000)
     return sorted(spans)[len(spans) // 2]
 
 
 # -----------------------------------------------------------------------------
 # the host's share of one eager all-reduce call
+
 
 def bench_host(sizes_mb=(4, 64), tag="host"):
     """One GPU, a 1-rank group: host microseconds to issue one eager compressed all-reduce over
@@ -348,29 +431,34 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
     before it (on one rank taco.all_reduce itself returns at once); next to NCCL's all-reduce and
     one small torch kernel on the same GPU. Per call, issued back to back (host_time)."""
     import taco_symm
+
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", LOCAL_WORLD_SIZE="1").items():
         os.environ.setdefault(k, v)
     dist.init_process_group("nccl", rank=0, world_size=1)
     taco_ext.load()
     cd, rows = taco.get_codec("hint8"), []
     for mb in sizes_mb:
-        x = torch.randn(mb * 2 ** 20 // 2, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(mb * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
         ws = taco_symm.workspace(x, None, True, "symm")
-        ws.two_shot(x, cd, None, False)                    # the plan and the buffer
+        ws.two_shot(x, cd, None, False)  # the plan and the buffer
         plan = ws.plans[(x.numel(), cd)]
-        for label, fn in (("hint8 symm all-reduce, eager", lambda: ws.two_shot(x, cd, None, False)),
-                          ("  its binding call alone (a graph)", lambda: taco_ext.two_shot_peers(
-                              x, plan, ws.side, True)),
-                          ("  the binding call, five launches", lambda: taco_ext.two_shot_peers(
-                              x, plan, ws.side, True, replay=False)),
-                          ("  onto its stream and back, nothing run", lambda: taco_ext.on_side(ws.side, True,
-                                                                                          lambda: None)),
-                          ("  one barrier launch", lambda: taco_ext.barrier(ws.pads, 0, 0)),
-                          ("hint8 symm all-reduce, async + wait", lambda: ws.two_shot(x, cd, None, True).wait()),
-                          ("taco.all_reduce's checks before it", lambda: (taco._check(x, None, cd), taco_symm.workspace(
-                              x, None, cd.kernel_ok(x), "auto"))),
-                          ("NCCL all-reduce (bf16, 1 rank)", lambda: dist.all_reduce(x)),
-                          ("one small torch kernel (add_)", lambda: x[:1].add_(0))):
+        for label, fn in (
+            ("hint8 symm all-reduce, eager", lambda: ws.two_shot(x, cd, None, False)),
+            ("  its binding call alone (a graph)", lambda: taco_ext.two_shot_peers(x, plan, ws.side, True)),
+            (
+                "  the binding call, five launches",
+                lambda: taco_ext.two_shot_peers(x, plan, ws.side, True, replay=False),
+            ),
+            ("  onto its stream and back, nothing run", lambda: taco_ext.on_side(ws.side, True, lambda: None)),
+            ("  one barrier launch", lambda: taco_ext.barrier(ws.pads, 0, 0)),
+            ("hint8 symm all-reduce, async + wait", lambda: ws.two_shot(x, cd, None, True).wait()),
+            (
+                "taco.all_reduce's checks before it",
+                lambda: (taco._check(x, None, cd), taco_symm.workspace(x, None, cd.kernel_ok(x), "auto")),
+            ),
+            ("NCCL all-reduce (bf16, 1 rank)", lambda: dist.all_reduce(x)),
+            ("one small torch kernel (add_)", lambda: x[:1].add_(0)),
+        ):
             rows.append({"MB": mb, "call": label, "host us": f"{host_time(fn):.1f}"})
     dist.destroy_process_group()
     save(tag, rows, note=bench_host.__doc__)
@@ -380,21 +468,37 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
 # -----------------------------------------------------------------------------
 # the collective, against NCCL and PyTorch's symmetric-memory all-reduce
 
+
 def _collective_variants(peers):
     """(label, codec, transport, chunks): NCCL's bf16 all-reduce first (the baseline)."""
-    v = [("nccl bf16", "none", "dist", 1), ("hint8", "hint8", "dist", 1), ("hint8", "hint8", "dist", 2),
-         ("taco", "taco", "dist", 1), ("hint6", "hint6", "dist", 1)]
+    v = [
+        ("nccl bf16", "none", "dist", 1),
+        ("hint8", "hint8", "dist", 1),
+        ("hint8", "hint8", "dist", 2),
+        ("taco", "taco", "dist", 1),
+        ("hint6", "hint6", "dist", 1),
+    ]
     if peers:
-        v = v[:1] + [("symm bf16 two-shot", "none", "torch-symm", 1)] + v[1:] + [
-            ("hint8", "hint8", "symm", 1), ("taco", "taco", "symm", 1), ("hint6", "hint6", "symm", 1),
-            ("hint8", "hint8", "symm-graph", 1), ("hint6", "hint6", "symm-graph", 1)]
+        v = (
+            v[:1]
+            + [("symm bf16 two-shot", "none", "torch-symm", 1)]
+            + v[1:]
+            + [
+                ("hint8", "hint8", "symm", 1),
+                ("taco", "taco", "symm", 1),
+                ("hint6", "hint6", "symm", 1),
+                ("hint8", "hint8", "symm-graph", 1),
+                ("hint6", "hint6", "symm-graph", 1),
+            ]
+        )
     return v
 
 
 def _collective_runner(codec, transport, chunks, x, n):
     """(the tensor the all-reduce works on, a function running it once)."""
-    if transport == "torch-symm":                            # the input must live in symmetric memory
+    if transport == "torch-symm":  # the input must live in symmetric memory
         import torch.distributed._symmetric_memory as symm_mem
+
         name = dist.group.WORLD.group_name
         target = symm_mem.empty(n, dtype=torch.bfloat16, device="cuda")
         symm_mem.rendezvous(target, name)
@@ -409,7 +513,7 @@ def _time_collective(label, codec, transport, chunks, src, exact, world):
     target, run = _collective_runner(codec, transport, chunks, torch.empty_like(src), src.numel())
     target.copy_(src)
     run()
-    if transport == "symm-graph":                            # captured once (after the warm-up call above)
+    if transport == "symm-graph":  # captured once (after the warm-up call above)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -417,17 +521,26 @@ def _time_collective(label, codec, transport, chunks, src, exact, world):
         run = graph.replay
         target.copy_(src)
         run()
-    h = torch.stack([target.view(torch.int16).long().sum(), (target.view(torch.int16).long() * 31).remainder(65521).sum()])
+    h = torch.stack(
+        [target.view(torch.int16).long().sum(), (target.view(torch.int16).long() * 31).remainder(65521).sum()]
+    )
     hs = [torch.empty_like(h) for _ in range(world)]
     dist.all_gather(hs, h)
     err = ((target.float() - exact).norm() / exact.norm()).item()
     dist.barrier()
     t = torch.tensor(cuda_time(run, iters=20, warmup=3, before=lambda: target.copy_(src)), device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)                 # the slowest rank's median
-    return {"variant": label, "transport": transport, "chunks": chunks, "us": f"{t.item():.0f}",
-            "host us": f"{host_time(run):.0f}", "t": t.item(),
-            "algbw GB/s": f"{2 * src.numel() / t.item() / 1e3:.0f}", "rel err": f"{err:.1e}",
-            "identical": "yes" if all(torch.equal(hs[0], o) for o in hs) else "NO"}
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's median
+    return {
+        "variant": label,
+        "transport": transport,
+        "chunks": chunks,
+        "us": f"{t.item():.0f}",
+        "host us": f"{host_time(run):.0f}",
+        "t": t.item(),
+        "algbw GB/s": f"{2 * src.numel() / t.item() / 1e3:.0f}",
+        "rel err": f"{err:.1e}",
+        "identical": "yes" if all(torch.equal(hs[0], o) for o in hs) else "NO",
+    }
 
 
 def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
@@ -443,7 +556,7 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
     peers = os.environ.get("NCCL_P2P_DISABLE", "0") in ("", "0")
     rows = []
     for mb in sizes_mb:
-        n = mb * 2 ** 20 // 2
+        n = mb * 2**20 // 2
         src = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(rank))
         exact = src.float()
         dist.all_reduce(exact)
@@ -451,12 +564,21 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
         cd = taco.get_codec("hint8")
         S = cd.nbytes(cd.padded(-(-n // world)))
         send, recv = (torch.zeros(world * S, dtype=torch.uint8, device="cuda") for _ in range(2))
-        for label, fn in (("nccl all_to_all u8", lambda: dist.all_to_all_single(recv, send)),
-                          ("nccl all_gather u8", lambda: taco._all_gather_flat(recv, send[:S]))):
-            these.append({"variant": label, "transport": "dist", "chunks": 1, "us": f"{cuda_time(fn):.0f}",
-                          "host us": f"{host_time(fn):.0f}"})
+        for label, fn in (
+            ("nccl all_to_all u8", lambda: dist.all_to_all_single(recv, send)),
+            ("nccl all_gather u8", lambda: taco._all_gather_flat(recv, send[:S])),
+        ):
+            these.append(
+                {
+                    "variant": label,
+                    "transport": "dist",
+                    "chunks": 1,
+                    "us": f"{cuda_time(fn):.0f}",
+                    "host us": f"{host_time(fn):.0f}",
+                }
+            )
         base = {r["variant"]: r["t"] for r in these if "t" in r}
-        for r in these:                                      # speedups against this size's two baselines
+        for r in these:  # speedups against this size's two baselines
             r["MB"] = mb
             if "t" in r:
                 t = r.pop("t")
@@ -465,16 +587,44 @@ def bench_collective(sizes_mb=(1, 4, 16, 64, 256), tag="nvlink"):
         rows += these
         torch.cuda.synchronize()
     if rank == 0:
-        save(f"collective_{tag}", rows, world=world, tag=tag, env_vars={k: os.environ.get(k) for k in (
-            "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")})
+        save(
+            f"collective_{tag}",
+            rows,
+            world=world,
+            tag=tag,
+            env_vars={
+                k: os.environ.get(k)
+                for k in (
+                    "NCCL_P2P_DISABLE",
+                    "NCCL_SHM_DISABLE",
+                    "NCCL_NVLS_ENABLE",
+                    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                )
+            },
+        )
         print(f"\ncompressed all-reduce vs NCCL bf16 and symmetric-memory bf16, {world} GPUs, {tag}:")
-        table(rows, ["MB", "variant", "transport", "chunks", "us", "host us", "algbw GB/s", "vs nccl", "vs symm bf16",
-                     "rel err", "identical"])
+        table(
+            rows,
+            [
+                "MB",
+                "variant",
+                "transport",
+                "chunks",
+                "us",
+                "host us",
+                "algbw GB/s",
+                "vs nccl",
+                "vs symm bf16",
+                "rel err",
+                "identical",
+            ],
+        )
     dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
 # end-to-end training throughput: the same config with each codec, one invocation
+
 
 def _e2e_row(entry, out):
     """The row of one trained entry: mean step time over the log lines after the first (the profiled
@@ -490,14 +640,19 @@ def _e2e_row(entry, out):
     ms, last = sum(r["ms"] for r in logs) / len(logs), logs[-1]
     k = kernel_ms_by_kind(os.path.join(out, "trace_rank0.json.gz"), prof["steps"]) if prof else {}
     mfu = last["mfu"] * last["ms"] / ms if last.get("mfu") is not None else None
-    return {"codec": entry, "ms/step": round(ms, 2), "tok/s": round(last["tok_s"] * last["ms"] / ms),
-            "MFU %": round(mfu, 1) if mfu is not None else "-",
-            "compute ms": round(k.get("compute", 0), 1) if prof else "-",
-            "comm ms": round(sum(v for n, v in k.items() if n.startswith("comm")), 1) if prof else "-",
-            "codec ms": round(k.get("codec kernels", 0), 1) if prof else "-",
-            "tp wire MiB/step": round(last["tp_wire_bytes"] / 2 ** 20, 2), "loss": round(last["loss"], 4),
-            "peak GiB": round(last["peak_mem_gib"], 2) if last.get("peak_mem_gib") is not None else "-",
-            "profile": {"kernel_ms_per_step": k, **(prof or {})}}
+    return {
+        "codec": entry,
+        "ms/step": round(ms, 2),
+        "tok/s": round(last["tok_s"] * last["ms"] / ms),
+        "MFU %": round(mfu, 1) if mfu is not None else "-",
+        "compute ms": round(k.get("compute", 0), 1) if prof else "-",
+        "comm ms": round(sum(v for n, v in k.items() if n.startswith("comm")), 1) if prof else "-",
+        "codec ms": round(k.get("codec kernels", 0), 1) if prof else "-",
+        "tp wire MiB/step": round(last["tp_wire_bytes"] / 2**20, 2),
+        "loss": round(last["loss"], 4),
+        "peak GiB": round(last["peak_mem_gib"], 2) if last.get("peak_mem_gib") is not None else "-",
+        "profile": {"kernel_ms_per_step": k, **(prof or {})},
+    }
 
 
 def bench_e2e(config, entries, nproc, extra, tag="e2e", profile_steps=5):
@@ -510,45 +665,82 @@ def bench_e2e(config, entries, nproc, extra, tag="e2e", profile_steps=5):
     rows = []
     for entry in entries:
         out = os.path.join("out", f"{tag}_{entry.replace('=', '-').replace('/', '_')}")
-        if entry.startswith("sol:"):             # the speed of light: lab.speed_of_light, TP all-reduces skipped
+        if entry.startswith("sol:"):  # the speed of light: lab.speed_of_light, TP all-reduces skipped
             entry_point, settings = ["-m", "lab.speed_of_light", entry[4:]], ["--tp_codec=none"]
         else:
             entry_point = ["train.py"]
             settings = [f"--{kv}" for kv in entry.split("/")] if "=" in entry else [f"--tp_codec={entry}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *entry_point, config,
-               *settings, "--eval_interval=0", "--sample_tokens=0", "--progress=False", "--ckpt_interval=-1",
-               f"--profile_steps={profile_steps if torch.cuda.is_available() else 0}", *extra, f"--out_dir={out}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            *entry_point,
+            config,
+            *settings,
+            "--eval_interval=0",
+            "--sample_tokens=0",
+            "--progress=False",
+            "--ckpt_interval=-1",
+            f"--profile_steps={profile_steps if torch.cuda.is_available() else 0}",
+            *extra,
+            f"--out_dir={out}",
+        ]
         print(" ".join(cmd), flush=True)
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "output.txt"), "w") as f:                 # everything train.py printed
+        with open(os.path.join(out, "output.txt"), "w") as f:  # everything train.py printed
             try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=int(os.environ.get("E2E_TIMEOUT", 900))).returncode
-            except subprocess.TimeoutExpired:                                # e.g. a hung collective
+                rc = subprocess.run(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, timeout=int(os.environ.get("E2E_TIMEOUT", 900))
+                ).returncode
+            except subprocess.TimeoutExpired:  # e.g. a hung collective
                 rc = "timeout"
-        if rc != 0:                              # say so with the first traceback, go on with the next entry
+        if rc != 0:  # say so with the first traceback, go on with the next entry
             lines = open(os.path.join(out, "output.txt")).read().splitlines()
             first = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
-            print(f"{entry}: train.py FAILED ({rc}); {out}/output.txt:\n" + "\n".join(lines[first:first + 40]))
+            print(f"{entry}: train.py FAILED ({rc}); {out}/output.txt:\n" + "\n".join(lines[first : first + 40]))
         rows.append(_e2e_row(entry, out) if rc == 0 else {"codec": entry, "ms/step": None, "failed": True})
     base = rows[0]["ms/step"]
     for r in rows:
         r["speedup"] = f"{base / r['ms/step']:.2f}x" if base and r["ms/step"] else "FAILED"
-    save(f"e2e_{tag}", rows, config=config, nproc=nproc, extra=extra,
-         note="mean step time over the log lines after the first (profiled steps excluded); speedup = first "
-              "entry's ms / this entry's ms; compute/comm/codec ms = GPU kernel time per step by kind in the "
-              "profiled steps (streams overlap, so they need not add up to the step)")
-    table(rows, ["codec", "ms/step", "speedup", "tok/s", "MFU %", "compute ms", "comm ms", "codec ms",
-                 "tp wire MiB/step", "peak GiB", "loss"])
+    save(
+        f"e2e_{tag}",
+        rows,
+        config=config,
+        nproc=nproc,
+        extra=extra,
+        note="mean step time over the log lines after the first (profiled steps excluded); speedup = first "
+        "entry's ms / this entry's ms; compute/comm/codec ms = GPU kernel time per step by kind in the "
+        "profiled steps (streams overlap, so they need not add up to the step)",
+    )
+    table(
+        rows,
+        [
+            "codec",
+            "ms/step",
+            "speedup",
+            "tok/s",
+            "MFU %",
+            "compute ms",
+            "comm ms",
+            "codec ms",
+            "tp wire MiB/step",
+            "peak GiB",
+            "loss",
+        ],
+    )
 
 
 # -----------------------------------------------------------------------------
 # one GPU, TP=1: our model against transformers' model of the same family and shape
 
+
 def _hf_model(mc, dev):
     """transformers' model of our config's family and shape (Qwen2ForCausalLM / GPT2LMHeadModel), SDPA."""
-    import checkpoint
     import transformers
+
+    import checkpoint
+
     cfg = checkpoint.hf_config(mc)
     conf = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     return transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa").to(dev)
@@ -563,6 +755,7 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
     import config as settings
     import train
     from model import GPT, GPTConfig
+
     c = settings.parse(train.DEFAULTS, [config] + ([f"--batch_size={batch}"] if batch else []))
     mc, dev = GPTConfig.from_settings(c), torch.device("cuda")
     B, T = c["batch_size"], c["block_size"]
@@ -570,8 +763,10 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
     x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     ours = GPT(mc, seed=0).to(dev)
     theirs = _hf_model(mc, dev)
-    losses = {"ours": lambda m: m(x, y)[1],                                    # next-token loss on T positions
-              "transformers": lambda m: m(input_ids=x, labels=x).loss}       # HF shifts: T - 1 positions
+    losses = {
+        "ours": lambda m: m(x, y)[1],  # next-token loss on T positions
+        "transformers": lambda m: m(input_ids=x, labels=x).loss,
+    }  # HF shifts: T - 1 positions
     runs = {}
     for name, model in (("ours", ours), ("transformers", theirs)):
         compiled, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -584,11 +779,15 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
-        for _ in range(warmup):                                   # compiles, and fills AdamW's state
+
+        for _ in range(warmup):  # compiles, and fills AdamW's state
             step()
         torch.cuda.synchronize()
-        runs[name] = {"step": step, "resident": torch.cuda.memory_allocated()
-                      - sum(r["resident"] for r in runs.values()), "params": sum(p.numel() for p in model.parameters())}
+        runs[name] = {
+            "step": step,
+            "resident": torch.cuda.memory_allocated() - sum(r["resident"] for r in runs.values()),
+            "params": sum(p.numel() for p in model.parameters()),
+        }
     flops = (6 * mc.num_params() + 12 * mc.n_layer * mc.n_embd * T) * B * T
     rows = []
     for name in ("ours", "transformers", "transformers", "ours"):
@@ -600,26 +799,43 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
             loss = runs[name]["step"]()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / steps * 1e3
-        rows.append({"model": name, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
-                     "MFU %": round(flops / (ms / 1e3) / c["peak_flops"] * 100, 1),
-                     "peak GiB": round((torch.cuda.max_memory_allocated() - other) / 2 ** 30, 2),
-                     "params": runs[name]["params"], "loss": round(loss.item(), 4)})
+        rows.append(
+            {
+                "model": name,
+                "ms/step": round(ms, 2),
+                "tok/s": round(B * T / ms * 1e3),
+                "MFU %": round(flops / (ms / 1e3) / c["peak_flops"] * 100, 1),
+                "peak GiB": round((torch.cuda.max_memory_allocated() - other) / 2**30, 2),
+                "params": runs[name]["params"],
+                "loss": round(loss.item(), 4),
+            }
+        )
     mean = lambda n: sum(r["ms/step"] for r in rows if r["model"] == n) / 2
     for r in rows:
         r["vs transformers"] = f"{mean('transformers') / r['ms/step']:.3f}x"
-    save(f"hf_{tag}", rows, config=config, batch=B, seq=T, steps=steps, warmup=warmup,
-         note="the same loop for both (bf16 autocast over fp32 weights, torch.compile, fused AdamW, clipping); "
-              "MFU from our model's 6N + attention FLOPs per token against peak_flops; peak GiB: the block's "
-              "peak less the other model's resident memory; vs transformers: the mean of transformers' two "
-              "blocks over this block's ms")
+    save(
+        f"hf_{tag}",
+        rows,
+        config=config,
+        batch=B,
+        seq=T,
+        steps=steps,
+        warmup=warmup,
+        note="the same loop for both (bf16 autocast over fp32 weights, torch.compile, fused AdamW, clipping); "
+        "MFU from our model's 6N + attention FLOPs per token against peak_flops; peak GiB: the block's "
+        "peak less the other model's resident memory; vs transformers: the mean of transformers' two "
+        "blocks over this block's ms",
+    )
     table(rows, ["model", "ms/step", "vs transformers", "tok/s", "MFU %", "peak GiB", "params", "loss"])
 
 
 # -----------------------------------------------------------------------------
 # one GPU, TP=1: train.py against nanoGPT's own bench loop (the peer) on the same shapes
 
-PEER_SHAPES = {"gpt2-small": dict(batch_size=12, block_size=1024, n_layer=12, n_head=12, n_embd=768),
-               "1b": dict(batch_size=8, block_size=2048, n_layer=20, n_head=16, n_embd=2048)}
+PEER_SHAPES = {
+    "gpt2-small": dict(batch_size=12, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+    "1b": dict(batch_size=8, block_size=2048, n_layer=20, n_head=16, n_embd=2048),
+}
 # runs nanoGPT's bench_peer.py unchanged in its folder and adds its peak memory; with PEER_CLIP set, every
 # AdamW step first clips the gradient norm to 1.0 the way nanoGPT's train.py does (its bench loop does not)
 _PEER_RUNNER = """import os, runpy, sys, torch
@@ -644,9 +860,14 @@ def peer_folder(nanogpt):
 
 def run_nanogpt(folder, shape, clip=False, extra=()):
     """nanoGPT's bench_peer.py (through _PEER_RUNNER) in `folder` on the shape; its stdout."""
-    p = subprocess.run([sys.executable, "-c", _PEER_RUNNER, *[f"--{k}={v}" for k, v in shape.items()], *extra],
-                       cwd=folder, capture_output=True, text=True, timeout=1200,
-                       env={**os.environ, "PEER_CLIP": "1" if clip else ""})
+    p = subprocess.run(
+        [sys.executable, "-c", _PEER_RUNNER, *[f"--{k}={v}" for k, v in shape.items()], *extra],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "PEER_CLIP": "1" if clip else ""},
+    )
     if p.returncode:
         raise SystemExit(f"{folder}/bench_peer.py failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
     return p.stdout
@@ -654,9 +875,22 @@ def run_nanogpt(folder, shape, clip=False, extra=()):
 
 def run_ours(shape, out, extra=()):
     """train.py at TP=1 on the shape (no bias, no dropout, compiled, 30 steps, a log line every 10) into `out`."""
-    cmd = [sys.executable, "train.py", *[f"--{k}={v}" for k, v in shape.items()], "--bias=False", "--compile=True",
-           "--max_iters=30", "--log_interval=10", "--eval_interval=0", "--ckpt_interval=-1", "--sample_tokens=0",
-           "--progress=False", "--overwrite=True", f"--out_dir={out}", *extra]
+    cmd = [
+        sys.executable,
+        "train.py",
+        *[f"--{k}={v}" for k, v in shape.items()],
+        "--bias=False",
+        "--compile=True",
+        "--max_iters=30",
+        "--log_interval=10",
+        "--eval_interval=0",
+        "--ckpt_interval=-1",
+        "--sample_tokens=0",
+        "--progress=False",
+        "--overwrite=True",
+        f"--out_dir={out}",
+        *extra,
+    ]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}")
@@ -666,11 +900,12 @@ def _peer_nanogpt(folder, shape, clip=False):
     """nanoGPT's bench loop (10 steps of burn-in, then 20 timed; compiled, bf16 autocast, fused AdamW,
     random tokens on the GPU; clip: with its train.py's clipping): (ms/step, peak GiB)."""
     import re
+
     out = run_nanogpt(folder, shape, clip)
     ms, peak = re.search(r"time per iteration: ([\d.]+)ms", out), re.search(r"peak bytes (\d+)", out)
     if not ms:
         raise SystemExit(f"{folder}/bench_peer.py printed no time per iteration:\n{out[-2000:]}")
-    return float(ms.group(1)), int(peak.group(1)) / 2 ** 30
+    return float(ms.group(1)), int(peak.group(1)) / 2**30
 
 
 def _peer_ours(shape, extra):
@@ -690,6 +925,7 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
     grad_clip=0.0: what a difference costs). MFU for both from the same FLOPs per token (6N +
     attention, our count of the shape) against the H200's dense bf16 peak."""
     from model import GPTConfig
+
     folder = peer_folder(nanogpt)
     rows = []
     for name in shapes:
@@ -697,32 +933,50 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
         B, T = shape["batch_size"], shape["block_size"]
         mc = GPTConfig(**{k: v for k, v in shape.items() if k != "batch_size"}, bias=False)
         flops = (6 * mc.num_params() + 12 * mc.n_layer * mc.n_embd * T) * B * T
-        ng, ngc, ours = (("nanoGPT", lambda: _peer_nanogpt(folder, shape)), ("nanoGPT + clip", lambda: _peer_nanogpt(
-            folder, shape, clip=True)), ("nanoTACO", lambda: _peer_ours(shape, extra)))
+        ng, ngc, ours = (
+            ("nanoGPT", lambda: _peer_nanogpt(folder, shape)),
+            ("nanoGPT + clip", lambda: _peer_nanogpt(folder, shape, clip=True)),
+            ("nanoTACO", lambda: _peer_ours(shape, extra)),
+        )
         order = ([ng, ngc, ours, ours, ngc, ng] if clip else [ng, ours, ours, ng]) + [
             (f"nanoTACO {v}", lambda v=v: _peer_ours(shape, [*extra, *(f"--{kv}" for kv in v.split("/"))]))
-            for v in variants]
+            for v in variants
+        ]
         for label, run in order:
             ms, peak = run()
             print(f"{name} {label}: {ms:.2f} ms/step, {peak:.2f} GiB", flush=True)
-            rows.append({"shape": name, "code": label, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
-                         "MFU %": round(flops / (ms / 1e3) / peak_flops * 100, 1), "peak GiB": round(peak, 2)})
+            rows.append(
+                {
+                    "shape": name,
+                    "code": label,
+                    "ms/step": round(ms, 2),
+                    "tok/s": round(B * T / ms * 1e3),
+                    "MFU %": round(flops / (ms / 1e3) / peak_flops * 100, 1),
+                    "peak GiB": round(peak, 2),
+                }
+            )
         mean = lambda c, n=name: sum(r["ms/step"] for r in rows if r["shape"] == n and r["code"] == c) / 2
         for r in rows:
             if r["shape"] == name:
                 r["vs nanoGPT"] = f"{mean('nanoGPT') / r['ms/step']:.3f}x"
                 r["vs nanoGPT + clip"] = f"{mean('nanoGPT + clip') / r['ms/step']:.3f}x" if clip else "-"
-    save(tag, rows, shapes={n: PEER_SHAPES[n] for n in shapes}, peak_flops=peak_flops, extra=list(extra),
-         note="one invocation, one GPU: nanoGPT's bench_peer.py (its bench.py, the shape as settings; random tokens, "
-              "no clipping, loss.item() every step; + clip: with its train.py's clip_grad_norm_ at 1.0 before each "
-              "step) and train.py at TP=1 (real batches, clipping at 1.0, logging); each timed twice, the order "
-              "mirrored; vs X = the mean of X's two runs over this run's ms/step")
+    save(
+        tag,
+        rows,
+        shapes={n: PEER_SHAPES[n] for n in shapes},
+        peak_flops=peak_flops,
+        extra=list(extra),
+        note="one invocation, one GPU: nanoGPT's bench_peer.py (its bench.py, the shape as settings; random tokens, "
+        "no clipping, loss.item() every step; + clip: with its train.py's clip_grad_norm_ at 1.0 before each "
+        "step) and train.py at TP=1 (real batches, clipping at 1.0, logging); each timed twice, the order "
+        "mirrored; vs X = the mean of X's two runs over this run's ms/step",
+    )
     table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "vs nanoGPT + clip", "tok/s", "MFU %", "peak GiB"])
 
 
 def split_at_dashes(argv):
     """(our arguments, the train.py overrides after a lone --)."""
-    return (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    return (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
 
 
 def main(argv):
@@ -743,7 +997,9 @@ def main(argv):
     c.add_argument("tag", nargs="?", default="nvlink", help="results/collective_<tag>.json")
     e = sub.add_parser("e2e", help="train a config once per entry in one invocation; step time side by side")
     e.add_argument("config")
-    e.add_argument("entries", help="comma-separated TP codecs or KEY=VALUE[/KEY=VALUE] settings; the first is the baseline")
+    e.add_argument(
+        "entries", help="comma-separated TP codecs or KEY=VALUE[/KEY=VALUE] settings; the first is the baseline"
+    )
     e.add_argument("--nproc", type=int, default=2)
     e.add_argument("--tag", default="e2e", help="results/e2e_<tag>.json; after a lone --: train.py overrides")
     f = sub.add_parser("hf", help="GPU: our model vs transformers' of the same family and shape, TP=1, compiled")
@@ -761,11 +1017,21 @@ def main(argv):
     if a.what == "peer":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py peer needs a CUDA GPU (both codebases time a GPU step)")
-        bench_peer(a.nanogpt, tuple(a.shapes.split(",")), tuple(v for v in a.variants.split(",") if v), train_args,
-                   tag=a.tag, clip=a.clip)
+        bench_peer(
+            a.nanogpt,
+            tuple(a.shapes.split(",")),
+            tuple(v for v in a.variants.split(",") if v),
+            train_args,
+            tag=a.tag,
+            clip=a.clip,
+        )
     elif a.what == "kernels":
-        bench_kernels(tag=a.tag, sizes_m=tuple(int(m) for m in a.sizes.split(",")), dtype=a.dtype,
-                      codecs=tuple(a.codecs.split(",")))
+        bench_kernels(
+            tag=a.tag,
+            sizes_m=tuple(int(m) for m in a.sizes.split(",")),
+            dtype=a.dtype,
+            codecs=tuple(a.codecs.split(",")),
+        )
     elif a.what == "overlap":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py overlap needs a CUDA GPU")

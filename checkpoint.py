@@ -13,6 +13,7 @@ from a set's shards, shard_into() slices one into a rank's model (the same slici
 initialisation uses). Hugging Face GPT-2 and Qwen2 folders convert to and from it, one tensor at a
 time (hf_read, from_hf, to_hf, save_hf).
 """
+
 import atexit
 import contextlib
 import errno
@@ -29,8 +30,21 @@ import torch.distributed as dist
 
 from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
-SHAPE_KEYS = ("arch", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "intermediate_size", "block_size",
-              "bias", "tie_embeddings", "tp", "pp", "zero1")
+SHAPE_KEYS = (
+    "arch",
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "intermediate_size",
+    "block_size",
+    "bias",
+    "tie_embeddings",
+    "tp",
+    "pp",
+    "zero1",
+)
 
 
 def claim(out_dir, resume, overwrite, rank0):
@@ -40,15 +54,17 @@ def claim(out_dir, resume, overwrite, rank0):
     found = sets(out_dir, complete=False)
     if found and not resume and not overwrite:
         go_on = "--resume continues it, " if sets(out_dir) else "none complete (cut short), so "
-        raise SystemExit(f"{out_dir} holds another run's checkpoints ({os.path.basename(found[-1])}): {go_on}"
-                         f"--overwrite starts over (deleting them), or choose another --out_dir")
+        raise SystemExit(
+            f"{out_dir} holds another run's checkpoints ({os.path.basename(found[-1])}): {go_on}"
+            f"--overwrite starts over (deleting them), or choose another --out_dir"
+        )
     if not rank0:
         return
     lock, me = os.path.join(out_dir, "LOCK"), f"{socket.gethostname()} {os.getpid()}"
     mine = f"{lock}.{os.getpid()}"
     with os_errors(out_dir, "claim the out_dir"):
         os.makedirs(out_dir, exist_ok=True)
-        with open(mine, "w") as f:                   # the owner written first, then linked in: never an empty LOCK
+        with open(mine, "w") as f:  # the owner written first, then linked in: never an empty LOCK
             f.write(me)
         try:
             while not _linked(mine, lock):
@@ -56,16 +72,18 @@ def claim(out_dir, resume, overwrite, rank0):
                     with open(lock) as f:
                         host, _, pid = f.read().partition(" ")
                 except FileNotFoundError:
-                    continue                                      # released meanwhile: try again
+                    continue  # released meanwhile: try again
                 except OSError:
                     host = pid = ""
-                if not (host and pid.isdigit()):                  # empty or unreadable: a claim cut short
+                if not (host and pid.isdigit()):  # empty or unreadable: a claim cut short
                     print(f"{lock} names no owner (a claim cut short, e.g. by a full disk): taking it over")
                 elif host != socket.gethostname() or _alive(int(pid)):
-                    raise SystemExit(f"{out_dir} is in use by another run (process {pid} on {host}): choose "
-                                     f"another --out_dir, or delete {lock} if that run is gone")
+                    raise SystemExit(
+                        f"{out_dir} is in use by another run (process {pid} on {host}): choose "
+                        f"another --out_dir, or delete {lock} if that run is gone"
+                    )
                 with contextlib.suppress(FileNotFoundError):
-                    os.remove(lock)                               # its run is gone
+                    os.remove(lock)  # its run is gone
         finally:
             os.remove(mine)
     atexit.register(_release, lock, me)
@@ -82,11 +100,13 @@ def _linked(src, dst):
         return False
 
 
-FIXES = {errno.ENOSPC: "the disk is full: free space on it, or choose another --out_dir",
-         errno.EDQUOT: "the disk quota is used up: free space, or choose another --out_dir",
-         errno.EROFS: "the file system is read-only: choose another --out_dir",
-         errno.EACCES: "permission denied: choose a folder you may write, or change its permissions",
-         errno.ENAMETOOLONG: "a name in the path is too long (255 bytes a component): choose a shorter one"}
+FIXES = {
+    errno.ENOSPC: "the disk is full: free space on it, or choose another --out_dir",
+    errno.EDQUOT: "the disk quota is used up: free space, or choose another --out_dir",
+    errno.EROFS: "the file system is read-only: choose another --out_dir",
+    errno.EACCES: "permission denied: choose a folder you may write, or change its permissions",
+    errno.ENAMETOOLONG: "a name in the path is too long (255 bytes a component): choose a shorter one",
+}
 
 
 @contextlib.contextmanager
@@ -132,7 +152,7 @@ def new_run_id(grid):
     return ids[0]
 
 
-HASH_PIECE = 1 << 24                      # bytes read at a time to hash a file (a shard can be many GB)
+HASH_PIECE = 1 << 24  # bytes read at a time to hash a file (a shard can be many GB)
 
 
 def sha256_of(path):
@@ -152,9 +172,11 @@ def write_file(obj, path):
     except RuntimeError as e:
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
-        free = shutil.disk_usage(os.path.dirname(path) or ".").free / 2 ** 20
-        raise SystemExit(f"{path}: cannot write the checkpoint ({str(e).splitlines()[0][:120]}; {free:.0f} MiB free "
-                         f"on its disk): free space or choose another --out_dir; the previous complete set is kept") from None
+        free = shutil.disk_usage(os.path.dirname(path) or ".").free / 2**20
+        raise SystemExit(
+            f"{path}: cannot write the checkpoint ({str(e).splitlines()[0][:120]}; {free:.0f} MiB free "
+            f"on its disk): free space or choose another --out_dir; the previous complete set is kept"
+        ) from None
     os.replace(path + ".tmp", path)
     return sha256_of(path)
 
@@ -182,11 +204,15 @@ def read_complete(folder):
     except (OSError, ValueError):
         meta = None
     if isinstance(meta, dict) and "iter" in meta and "files" not in meta:
-        raise SystemExit(f"{path} records no run id and checksums: the set was written before checkpoints "
-                         f"carried them, and cannot be verified; start anew (--overwrite)")
+        raise SystemExit(
+            f"{path} records no run id and checksums: the set was written before checkpoints "
+            f"carried them, and cannot be verified; start anew (--overwrite)"
+        )
     if not (isinstance(meta, dict) and all(k in meta for k in META_KEYS) and isinstance(meta["files"], dict)):
-        raise SystemExit(f"{path} is damaged (not the record a finished save writes: iteration, layout, run id, "
-                         f"checksums): delete {folder} to resume from an older set, or start anew")
+        raise SystemExit(
+            f"{path} is damaged (not the record a finished save writes: iteration, layout, run id, "
+            f"checksums): delete {folder} to resume from an older set, or start anew"
+        )
     return meta
 
 
@@ -215,18 +241,39 @@ def save(r, it):
         name = shard_name(grid, c["zero1"])
         with os_errors(folder, "save the checkpoint"):
             os.makedirs(folder, exist_ok=True)
-            mine = (name, write_file({"model": r.model.state_dict(), "optimizer": r.opt.state_dict(), "iter": it,
-                                      "config": c, "layout": [grid.tp, grid.pp], "run_id": r.run_id},
-                                     os.path.join(folder, name)))
+            mine = (
+                name,
+                write_file(
+                    {
+                        "model": r.model.state_dict(),
+                        "optimizer": r.opt.state_dict(),
+                        "iter": it,
+                        "config": c,
+                        "layout": [grid.tp, grid.pp],
+                        "run_id": r.run_id,
+                    },
+                    os.path.join(folder, name),
+                ),
+            )
     every = [mine]
-    if grid.world > 1:                           # also the barrier: every file is written from here on
+    if grid.world > 1:  # also the barrier: every file is written from here on
         every = [None] * grid.world
         dist.all_gather_object(every, mine)
     if grid.rank == 0:
         with os_errors(folder, "save the checkpoint"):
-            mark_complete(folder, {"iter": it, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "zero1": c["zero1"],
-                                   "run_id": r.run_id, "files": dict(e for e in every if e)})
-            _write_atomic(os.path.join(c["out_dir"], "RUN"), r.run_id)           # the out_dir's own run
+            mark_complete(
+                folder,
+                {
+                    "iter": it,
+                    "tp": grid.tp,
+                    "pp": grid.pp,
+                    "dp": grid.dp,
+                    "zero1": c["zero1"],
+                    "run_id": r.run_id,
+                    "files": dict(e for e in every if e),
+                },
+            )
+            _write_atomic(os.path.join(c["out_dir"], "RUN"), r.run_id)  # the out_dir's own run
         for old in sets(c["out_dir"], complete=False):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
@@ -237,18 +284,25 @@ def load_file(path, meta, device="cpu"):
     and it must be of the set's run; a damaged, changed or foreign file is an error naming it."""
     name, folder = os.path.basename(path), os.path.dirname(path)
     if name not in meta["files"] or not os.path.exists(path):
-        raise SystemExit(f"{path} is missing from its set (COMPLETE lists {sorted(meta['files'])}): the set was "
-                         f"written by another layout")
+        raise SystemExit(
+            f"{path} is missing from its set (COMPLETE lists {sorted(meta['files'])}): the set was "
+            f"written by another layout"
+        )
     if sha256_of(path) != meta["files"][name]:
-        try:                                                       # only to say what it is
+        try:  # only to say what it is
             ck = torch.load(path, map_location="cpu", weights_only=False)
             run = ck.get("run_id") if isinstance(ck, dict) else None
-            why = (f"comes from another run ({run}, this set's is {meta['run_id']})" if run != meta["run_id"]
-                   else "was changed after it was saved")
+            why = (
+                f"comes from another run ({run}, this set's is {meta['run_id']})"
+                if run != meta["run_id"]
+                else "was changed after it was saved"
+            )
         except Exception as e:
             why = f"cannot be read ({type(e).__name__}: {e})"
-        raise SystemExit(f"checkpoint file {path} does not match the checksum in COMPLETE: it {why}. Delete "
-                         f"{folder} to resume from an older set, or start anew") from None
+        raise SystemExit(
+            f"checkpoint file {path} does not match the checksum in COMPLETE: it {why}. Delete "
+            f"{folder} to resume from an older set, or start anew"
+        ) from None
     return torch.load(path, map_location=device, weights_only=False)
 
 
@@ -260,19 +314,26 @@ def resume(r):
     found = [c["resume_from"]] if c.get("resume_from") else sets(c["out_dir"])
     if not found:
         cut = [os.path.basename(s) for s in sets(c["out_dir"], complete=False)]
-        hint = (f"only {', '.join(cut)}, cut short before its save finished: --overwrite starts over" if cut else
-                "start without --resume, or save on the way with --ckpt_interval")
+        hint = (
+            f"only {', '.join(cut)}, cut short before its save finished: --overwrite starts over"
+            if cut
+            else "start without --resume, or save on the way with --ckpt_interval"
+        )
         raise SystemExit(f"--resume: no complete checkpoint set under {c['out_dir']}/ckpt ({hint})")
     meta = read_complete(found[-1])
     own = _read(os.path.join(c["out_dir"], "RUN"))
     if own and meta["run_id"] != own and not c.get("resume_from"):
-        raise SystemExit(f"--resume: the newest set {found[-1]} is of run {meta['run_id']}, not of {c['out_dir']}'s "
-                         f"own run {own} (its RUN): take it on purpose with --resume_from={found[-1]}, or remove it")
+        raise SystemExit(
+            f"--resume: the newest set {found[-1]} is of run {meta['run_id']}, not of {c['out_dir']}'s "
+            f"own run {own} (its RUN): take it on purpose with --resume_from={found[-1]}, or remove it"
+        )
     if meta["iter"] >= c["max_iters"]:
-        raise SystemExit(f"--resume: {found[-1]} is at iteration {meta['iter']}, and max_iters={c['max_iters']}: "
-                         f"nothing left to train; pass a larger --max_iters")
+        raise SystemExit(
+            f"--resume: {found[-1]} is at iteration {meta['iter']}, and max_iters={c['max_iters']}: "
+            f"nothing left to train; pass a larger --max_iters"
+        )
     ck = load_file(os.path.join(found[-1], shard_name(grid, c["zero1"])), meta, r.dev)
-    mine = (ck["iter"], [ck["config"].get(k, c[k]) for k in SHAPE_KEYS])    # a key older sets lack: as now
+    mine = (ck["iter"], [ck["config"].get(k, c[k]) for k in SHAPE_KEYS])  # a key older sets lack: as now
     if grid.world > 1:
         every = [None] * grid.world
         dist.all_gather_object(every, mine)
@@ -280,8 +341,10 @@ def resume(r):
             raise SystemExit(f"--resume: the ranks' checkpoint files disagree (iteration, model, layout): {every}")
     wrong = [f"{k}={ck['config'][k]}" for k in SHAPE_KEYS if ck["config"].get(k, c[k]) != c[k]]
     if wrong:
-        raise SystemExit(f"--resume: {found[-1]} was written with {', '.join(wrong)}; this run differs: "
-                         f"pass those settings, or another --out_dir for a new run")
+        raise SystemExit(
+            f"--resume: {found[-1]} was written with {', '.join(wrong)}; this run differs: "
+            f"pass those settings, or another --out_dir for a new run"
+        )
     r.model.load_state_dict(ck["model"])
     r.opt.load_state_dict(ck["optimizer"])
     r.it0, r.run_id = ck["iter"], meta["run_id"]
@@ -290,6 +353,7 @@ def resume(r):
 
 # -----------------------------------------------------------------------------
 # full state dicts: shards merged, and sliced again
+
 
 def _stage_and_local(name, n_layer, pp):
     """The pipeline stage that holds a full-model parameter, and its name there."""
@@ -301,7 +365,7 @@ def _stage_and_local(name, n_layer, pp):
 
 
 def _unshard(mod, attr, parts):
-    if isinstance(mod, ColumnParallelLinear):        # each rank holds its slice of every section
+    if isinstance(mod, ColumnParallelLinear):  # each rank holds its slice of every section
         secs = [p.split([n // len(parts) for n in mod.sections], dim=0) for p in parts]
         return torch.cat([torch.cat([s[i] for s in secs], dim=0) for i in range(len(mod.sections))], dim=0)
     return torch.cat(parts, dim=1 if isinstance(mod, RowParallelLinear) and attr == "weight" else 0)
@@ -347,11 +411,12 @@ def shard_into(model, get):
         mod = model.get_submodule(name.rsplit(".", 1)[0])
         try:
             mine = mod.shard(src) if getattr(param, "tp_split", False) else src
-        except RuntimeError:                        # sections that do not add up
+        except RuntimeError:  # sections that do not add up
             mine = None
         if mine is None or mine.shape != param.shape:
-            raise ValueError(f"{g}: the weights hold shape {tuple(src.shape)}, which does not fit this model "
-                             f"({model.config})")
+            raise ValueError(
+                f"{g}: the weights hold shape {tuple(src.shape)}, which does not fit this model ({model.config})"
+            )
         param.copy_(mine)
 
 
@@ -361,19 +426,43 @@ def shard_into(model, get):
 # fused [Q|K|V] and SwiGLU's [gate|up]); a block's names follow the family's block prefix.
 
 HF_NAMES = {
-    "gpt2": ("transformer.h.{}.", {
-        "wte.weight": ["transformer.wte.weight"], "wpe.weight": ["transformer.wpe.weight"],
-        "ln_f.weight": ["transformer.ln_f.weight"], "ln_f.bias": ["transformer.ln_f.bias"],
-        **{f"{ours}.{p}": [f"{hf}.{p}"] for ours, hf in (("ln_1", "ln_1"), ("ln_2", "ln_2"), ("attn.qkv", "attn.c_attn"),
-           ("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")) for p in ("weight", "bias")}}),
-    "qwen2": ("model.layers.{}.", {
-        "wte.weight": ["model.embed_tokens.weight"], "ln_f.weight": ["model.norm.weight"],
-        "lm_head.weight": ["lm_head.weight"], "ln_1.weight": ["input_layernorm.weight"],
-        "ln_2.weight": ["post_attention_layernorm.weight"], "attn.proj.weight": ["self_attn.o_proj.weight"],
-        **{f"attn.qkv.{p}": [f"self_attn.{x}_proj.{p}" for x in "qkv"] for p in ("weight", "bias")},
-        "mlp.fc.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "mlp.proj.weight": ["mlp.down_proj.weight"]}),
+    "gpt2": (
+        "transformer.h.{}.",
+        {
+            "wte.weight": ["transformer.wte.weight"],
+            "wpe.weight": ["transformer.wpe.weight"],
+            "ln_f.weight": ["transformer.ln_f.weight"],
+            "ln_f.bias": ["transformer.ln_f.bias"],
+            **{
+                f"{ours}.{p}": [f"{hf}.{p}"]
+                for ours, hf in (
+                    ("ln_1", "ln_1"),
+                    ("ln_2", "ln_2"),
+                    ("attn.qkv", "attn.c_attn"),
+                    ("attn.proj", "attn.c_proj"),
+                    ("mlp.fc", "mlp.c_fc"),
+                    ("mlp.proj", "mlp.c_proj"),
+                )
+                for p in ("weight", "bias")
+            },
+        },
+    ),
+    "qwen2": (
+        "model.layers.{}.",
+        {
+            "wte.weight": ["model.embed_tokens.weight"],
+            "ln_f.weight": ["model.norm.weight"],
+            "lm_head.weight": ["lm_head.weight"],
+            "ln_1.weight": ["input_layernorm.weight"],
+            "ln_2.weight": ["post_attention_layernorm.weight"],
+            "attn.proj.weight": ["self_attn.o_proj.weight"],
+            **{f"attn.qkv.{p}": [f"self_attn.{x}_proj.{p}" for x in "qkv"] for p in ("weight", "bias")},
+            "mlp.fc.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+            "mlp.proj.weight": ["mlp.down_proj.weight"],
+        },
+    ),
 }
-CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")   # GPT-2 keeps these (in, out)
+CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")  # GPT-2 keeps these (in, out)
 
 
 def hf_names(name, mc):
@@ -404,24 +493,44 @@ def hf_model_config(folder):
         hf = json.load(f)
     kind = hf.get("model_type")
     if kind == "gpt2":
-        return GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                         n_head=hf["n_head"], n_embd=hf["n_embd"], intermediate_size=hf.get("n_inner") or 0,
-                         norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+        return GPTConfig(
+            block_size=hf["n_positions"],
+            vocab_size=hf["vocab_size"],
+            n_layer=hf["n_layer"],
+            n_head=hf["n_head"],
+            n_embd=hf["n_embd"],
+            intermediate_size=hf.get("n_inner") or 0,
+            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        )
     if kind != "qwen2":
         raise ValueError(f"{path}: model_type {kind!r} is not supported; the families read are gpt2 and qwen2")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}       # transformers 5.x, or 4.x's scaling
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5.x, or 4.x's scaling
     C, H = hf["hidden_size"], hf["num_attention_heads"]
-    why = [w for bad, w in ((rope.get("rope_type", rope.get("type", "default")) != "default", "scaled rotary positions"),
-                            (hf.get("use_sliding_window"), "sliding-window attention"),
-                            (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}"),
-                            (hf.get("head_dim", C // H) != C // H, "a head size other than hidden_size/heads")) if bad]
+    why = [
+        w
+        for bad, w in (
+            (rope.get("rope_type", rope.get("type", "default")) != "default", "scaled rotary positions"),
+            (hf.get("use_sliding_window"), "sliding-window attention"),
+            (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}"),
+            (hf.get("head_dim", C // H) != C // H, "a head size other than hidden_size/heads"),
+        )
+        if bad
+    ]
     if why:
         raise ValueError(f"{path}: this Qwen2 uses {', '.join(why)}, which the qwen2 family here does not build")
-    return GPTConfig(arch="qwen2", block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"],
-                     n_layer=hf["num_hidden_layers"], n_head=H, n_kv_head=hf.get("num_key_value_heads") or H,
-                     n_embd=C, intermediate_size=hf["intermediate_size"],
-                     rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                     norm_eps=hf.get("rms_norm_eps", 1e-6), tie_embeddings=hf.get("tie_word_embeddings", False))
+    return GPTConfig(
+        arch="qwen2",
+        block_size=hf["max_position_embeddings"],
+        vocab_size=hf["vocab_size"],
+        n_layer=hf["num_hidden_layers"],
+        n_head=H,
+        n_kv_head=hf.get("num_key_value_heads") or H,
+        n_embd=C,
+        intermediate_size=hf["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+    )
 
 
 def hf_read(folder):
@@ -429,8 +538,10 @@ def hf_read(folder):
     with model.safetensors.index.json, or pytorch_model.bin), read when asked. The files are memory-
     mapped, so a 7B model is never whole in memory. GPT-2 names lacking "transformer." get it."""
     from safetensors import safe_open
-    index, single, pt = (os.path.join(folder, n) for n in ("model.safetensors.index.json", "model.safetensors",
-                                                            "pytorch_model.bin"))
+
+    index, single, pt = (
+        os.path.join(folder, n) for n in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
+    )
     prefixed = lambda k: k if k.startswith(("transformer.", "model.", "lm_head.")) else "transformer." + k
     if os.path.isfile(index):
         with open(index) as f:
@@ -455,6 +566,7 @@ def from_hf(read, mc):
     """get(name): our full-model tensor `name` (fp32) made from the Hugging Face tensors read(hf_name)
     gives, one at a time: fused layers concatenated, GPT-2's Conv1D weights transposed, the vocabulary
     padded, GPT-2's positions cut to block_size. A tied head is the embedding."""
+
     def get(name):
         name = "wte.weight" if name == "lm_head.weight" and mc.tie_embeddings else name
         parts = []
@@ -468,8 +580,9 @@ def from_hf(read, mc):
         if name in ("wte.weight", "lm_head.weight") and t.shape[0] == mc.vocab_size:
             t = torch.cat([t, t.new_zeros(mc.padded_vocab - mc.vocab_size, t.shape[1])])
         if name == "wpe.weight" and t.shape[0] >= mc.block_size:
-            t = t[:mc.block_size]
+            t = t[: mc.block_size]
         return t.contiguous()
+
     return get
 
 
@@ -479,9 +592,11 @@ def to_hf(full, mc):
     for name, t in full.items():
         if name == "lm_head.weight" and mc.tie_embeddings:
             continue
-        t = t[:mc.vocab_size] if name in ("wte.weight", "lm_head.weight") else t
+        t = t[: mc.vocab_size] if name in ("wte.weight", "lm_head.weight") else t
         names = hf_names(name, mc)
-        parts = t.split(mc.qkv_sections if ".attn.qkv." in name else (mc.intermediate_size,) * 2) if len(names) > 1 else [t]
+        parts = (
+            t.split(mc.qkv_sections if ".attn.qkv." in name else (mc.intermediate_size,) * 2) if len(names) > 1 else [t]
+        )
         for n, p in zip(names, parts):
             sd[n] = (p.t() if mc.arch == "gpt2" and name.endswith(CONV1D) else p).contiguous()
     return sd
@@ -490,28 +605,55 @@ def to_hf(full, mc):
 def hf_config(mc):
     """config.json for a full model: what GPT2LMHeadModel / Qwen2ForCausalLM.from_pretrained reads."""
     if mc.arch == "gpt2" and (mc.n_kv_head != mc.n_head or not mc.bias):
-        raise ValueError("Hugging Face's GPT-2 has biases and no grouped-query attention: this model has "
-                         f"bias={mc.bias}, n_kv_head={mc.n_kv_head}")
+        raise ValueError(
+            "Hugging Face's GPT-2 has biases and no grouped-query attention: this model has "
+            f"bias={mc.bias}, n_kv_head={mc.n_kv_head}"
+        )
     if mc.arch == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": mc.vocab_size,
-                "n_positions": mc.block_size, "n_ctx": mc.block_size, "n_embd": mc.n_embd, "n_layer": mc.n_layer,
-                "n_head": mc.n_head, "n_inner": mc.intermediate_size, "activation_function": "gelu_new",
-                "layer_norm_epsilon": mc.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "tie_word_embeddings": mc.tie_embeddings}
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": mc.vocab_size,
+            "n_positions": mc.block_size,
+            "n_ctx": mc.block_size,
+            "n_embd": mc.n_embd,
+            "n_layer": mc.n_layer,
+            "n_head": mc.n_head,
+            "n_inner": mc.intermediate_size,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": mc.norm_eps,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": mc.tie_embeddings,
+        }
     if not mc.bias:
         raise ValueError("Hugging Face's Qwen2 has biases on q, k and v: this model has bias=False")
-    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": mc.vocab_size,
-            "hidden_size": mc.n_embd, "intermediate_size": mc.intermediate_size, "num_hidden_layers": mc.n_layer,
-            "num_attention_heads": mc.n_head, "num_key_value_heads": mc.n_kv_head,
-            "max_position_embeddings": mc.block_size, "rms_norm_eps": mc.norm_eps, "hidden_act": "silu",
-            "rope_theta": mc.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta},
-            "tie_word_embeddings": mc.tie_embeddings, "use_sliding_window": False, "attention_dropout": 0.0,
-            "torch_dtype": "float32"}
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": mc.vocab_size,
+        "hidden_size": mc.n_embd,
+        "intermediate_size": mc.intermediate_size,
+        "num_hidden_layers": mc.n_layer,
+        "num_attention_heads": mc.n_head,
+        "num_key_value_heads": mc.n_kv_head,
+        "max_position_embeddings": mc.block_size,
+        "rms_norm_eps": mc.norm_eps,
+        "hidden_act": "silu",
+        "rope_theta": mc.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta},
+        "tie_word_embeddings": mc.tie_embeddings,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": "float32",
+    }
 
 
 def save_hf(model, dest):
     """A single-process model as a Hugging Face folder: model.safetensors and config.json."""
     from safetensors.torch import save_file
+
     cfg = hf_config(model.config)
     os.makedirs(dest, exist_ok=True)
     save_file(to_hf(model.state_dict(), model.config), os.path.join(dest, "model.safetensors"), {"format": "pt"})

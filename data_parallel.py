@@ -4,6 +4,7 @@ averaged over the DP group, in flat buckets started during the backward pass (DP
 optimizer is sharded over the group (ZeroAdamW, ZeRO stage 1). Both can send their bytes through
 taco's compressed collectives (SDP4Bit-style, arXiv 2410.15526).
 """
+
 import math
 
 import torch
@@ -30,8 +31,9 @@ class DPGradSync:
     returns to the backward pass; on gloo it blocks). overlap=False: every bucket in finish().
     finish() waits for all of them and writes the averages back into .grad."""
 
-    def __init__(self, params, group, world, bucket_numel=2 ** 24, codec="none", block_size=256, stats=None,
-                 overlap=True):
+    def __init__(
+        self, params, group, world, bucket_numel=2**24, codec="none", block_size=256, stats=None, overlap=True
+    ):
         self.group, self.world, self.codec, self.block_size, self.stats = group, world, codec, block_size, stats
         self.buckets, self.bucket_of, n = [[]], {}, 0
         for p in reversed(params):
@@ -43,7 +45,7 @@ class DPGradSync:
             n += p.numel()
             if overlap:
                 p.register_post_accumulate_grad_hook(self._hook)
-        self.micro = 0                                      # 0: not in a step, hooks do nothing
+        self.micro = 0  # 0: not in a step, hooks do nothing
 
     def start(self, micro):
         """Call before the step's backward passes: `micro` micro-batches will accumulate."""
@@ -75,7 +77,7 @@ class DPGradSync:
         self.pending[b] = (work, flat, grads)
 
     def finish(self):
-        for b in range(len(self.buckets)):      # buckets not started yet (overlap=False: all of them)
+        for b in range(len(self.buckets)):  # buckets not started yet (overlap=False: all of them)
             if b not in self.pending:
                 self._launch(b)
         for work, flat, grads in self.pending.values():
@@ -108,8 +110,19 @@ class ZeroAdamW:
     per-block INT4) and its gradient quantisation through grad_codec; not its two-level
     intra-/inter-node scheme."""
 
-    def __init__(self, params, grid, lr, betas, eps, weight_decay, grad_codec="none", param_codec="none",
-                 block_size=256, stats=None):
+    def __init__(
+        self,
+        params,
+        grid,
+        lr,
+        betas,
+        eps,
+        weight_decay,
+        grad_codec="none",
+        param_codec="none",
+        block_size=256,
+        stats=None,
+    ):
         self.params, self.group, self.W, self.rank = params, grid.dp_group, grid.dp, grid.dp_rank
         self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
         self.grad_codec, self.param_codec, self.block_size, self.stats = grad_codec, param_codec, block_size, stats
@@ -132,7 +145,7 @@ class ZeroAdamW:
 
     def flat(self, tensors):
         out = torch.zeros(self.S * self.W, dtype=torch.float32, device=self.params[0].device)
-        out[:self.N] = torch.cat([t.reshape(-1).float() for t in tensors])
+        out[: self.N] = torch.cat([t.reshape(-1).float() for t in tensors])
         return out
 
     def reduce_grads(self):
@@ -141,8 +154,12 @@ class ZeroAdamW:
         flat = self.flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
         for p in self.params:
             p.grad = None
-        self.grad = taco.reduce_scatter(flat, group=self.group, codec=self.grad_codec,
-                                        block_size=self.block_size, stats=self.stats) / self.W
+        self.grad = (
+            taco.reduce_scatter(
+                flat, group=self.group, codec=self.grad_codec, block_size=self.block_size, stats=self.stats
+            )
+            / self.W
+        )
         g2 = self.grad.square()
         sq = torch.stack((torch.where(self.split, g2, 0).sum(), torch.where(self.repl, g2, 0).sum()))
         dist.all_reduce(sq, group=self.group)
@@ -156,17 +173,18 @@ class ZeroAdamW:
         self.master.mul_(torch.where(self.decay, 1 - lr * self.weight_decay, 1.0))
         self.m.lerp_(g, 1 - self.b1)
         self.v.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
-        denom = (self.v.sqrt() / math.sqrt(1 - self.b2 ** self.t)).add_(self.eps)
-        self.master.addcdiv_(self.m, denom, value=-lr / (1 - self.b1 ** self.t))
+        denom = (self.v.sqrt() / math.sqrt(1 - self.b2**self.t)).add_(self.eps)
+        self.master.addcdiv_(self.m, denom, value=-lr / (1 - self.b1**self.t))
         if self.param_codec in ("", "none"):
             full = taco.all_gather(self.master, group=self.group, codec="none", stats=self.stats)
         else:
             diff = self.master - self.flat([p.detach() for p in self.params])[self.own]
-            full = taco.all_gather(diff, group=self.group, codec=self.param_codec,
-                                   block_size=self.block_size, stats=self.stats)
+            full = taco.all_gather(
+                diff, group=self.group, codec=self.param_codec, block_size=self.block_size, stats=self.stats
+            )
         o = 0
-        for p in self.params:                               # new values, or values + decoded differences
-            piece = full[o:o + p.numel()].view_as(p).to(p.dtype)
+        for p in self.params:  # new values, or values + decoded differences
+            piece = full[o : o + p.numel()].view_as(p).to(p.dtype)
             p.copy_(piece) if self.param_codec in ("", "none") else p.add_(piece)
             o += p.numel()
         self.grad = None
@@ -176,6 +194,8 @@ class ZeroAdamW:
 
     def load_state_dict(self, sd):
         if sd["dp"] != [self.W, self.rank]:
-            raise ValueError(f"ZeRO checkpoint of dp rank {sd['dp'][1]} of {sd['dp'][0]} loaded by {self.rank} of {self.W}")
+            raise ValueError(
+                f"ZeRO checkpoint of dp rank {sd['dp'][1]} of {sd['dp'][0]} loaded by {self.rank} of {self.W}"
+            )
         self.master.copy_(sd["master"]), self.m.copy_(sd["m"]), self.v.copy_(sd["v"])
         self.t = sd["t"]

@@ -17,6 +17,7 @@ embedding and the tied LM head are split over the vocabulary, and the loss is a 
 cross-entropy: full logits are never gathered. Built in a plain process (no TPComm given) the model
 is TP=1. Every weight is drawn at full size from the seed and then sliced: TP=1 and TP=N start alike.
 """
+
 import math
 from dataclasses import dataclass, fields
 
@@ -28,24 +29,23 @@ from einops import rearrange
 
 import parallel
 
-
 ARCHS = ("gpt2", "qwen2")
 
 
 @dataclass
 class GPTConfig:
     block_size: int = 1024
-    vocab_size: int = 50257      # real vocabulary; the embedding is padded to a multiple of 128
+    vocab_size: int = 50257  # real vocabulary; the embedding is padded to a multiple of 128
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     dropout: float = 0.0
-    bias: bool = True            # gpt2: every linear and LayerNorm; qwen2: the QKV projection's
-    arch: str = "gpt2"           # ARCHS
-    n_kv_head: int = 0           # qwen2: key/value heads (0: n_head)
-    intermediate_size: int = 0   # qwen2: SwiGLU width (0: 4 * n_embd)
+    bias: bool = True  # gpt2: every linear and LayerNorm; qwen2: the QKV projection's
+    arch: str = "gpt2"  # ARCHS
+    n_kv_head: int = 0  # qwen2: key/value heads (0: n_head)
+    intermediate_size: int = 0  # qwen2: SwiGLU width (0: 4 * n_embd)
     rope_theta: float = 10000.0  # qwen2: rotary base
-    norm_eps: float = 1e-5       # epsilon of LayerNorm / RMSNorm
+    norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm
     tie_embeddings: bool = True  # the LM head's weight is the token embedding's
 
     def __post_init__(self):
@@ -57,25 +57,32 @@ class GPTConfig:
         """The model's shape from a run's settings (train.py's names, a subset of them suffices)."""
         return cls(**{f.name: c[f.name] for f in fields(cls) if f.name in c})
 
-    padded_vocab = property(lambda self: -(-self.vocab_size // 128) * 128)    # rows of the embedding
+    padded_vocab = property(lambda self: -(-self.vocab_size // 128) * 128)  # rows of the embedding
 
     def num_params(self, non_embedding=True):
         """Parameters of the whole model (unsharded); non_embedding leaves out the lookups that are no
         matmul (GPT-2's positions, an untied token embedding)."""
-        C, b, gpt2, qkv, I = self.n_embd, int(self.bias), self.arch == "gpt2", sum(self.qkv_sections), self.intermediate_size
-        nrm = C + b * C if gpt2 else C                                  # LayerNorm (+ bias) or RMSNorm
+        C, b, gpt2, qkv, I = (
+            self.n_embd,
+            int(self.bias),
+            self.arch == "gpt2",
+            sum(self.qkv_sections),
+            self.intermediate_size,
+        )
+        nrm = C + b * C if gpt2 else C  # LayerNorm (+ bias) or RMSNorm
         block = C * qkv + C * C + (3 - gpt2) * I * C + b * qkv + 2 * nrm + (b * (2 * C + I) if gpt2 else 0)
         lookup = self.block_size * C if gpt2 else 0 if self.tie_embeddings else self.padded_vocab * C
         n = (2 - self.tie_embeddings) * self.padded_vocab * C + gpt2 * self.block_size * C + self.n_layer * block + nrm
         return n - (lookup if non_embedding else 0)
 
     @property
-    def qkv_sections(self):      # the fused QKV's output sections [Q | K | V]
+    def qkv_sections(self):  # the fused QKV's output sections [Q | K | V]
         return tuple(n * (self.n_embd // self.n_head) for n in (self.n_head, self.n_kv_head, self.n_kv_head))
 
 
 # -----------------------------------------------------------------------------
 # tensor-parallel layers
+
 
 def autocast_input(x):
     """Under autocast, cast before f, so that its backward all-reduce carries bf16 gradients (the
@@ -101,12 +108,12 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias.tp_split = True
 
-    def shard(self, full):                       # full: (d_out, ...) -> this rank's rows
+    def shard(self, full):  # full: (d_out, ...) -> this rank's rows
         parts = full.split(self.sections, dim=0)
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in parts], dim=0)
 
-    def forward(self, x):                        # x: (B, T, in), sequence parallelism: (B, T/tp, in)
-        return parallel.f(autocast_input(x), self.weight, self.bias, self.comm)       # (B, T, out/tp)
+    def forward(self, x):  # x: (B, T, in), sequence parallelism: (B, T/tp, in)
+        return parallel.f(autocast_input(x), self.weight, self.bias, self.comm)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -123,11 +130,11 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         self.weight.tp_split = True
 
-    def shard(self, full):                       # full: (d_out, d_in) -> this rank's columns
+    def shard(self, full):  # full: (d_out, d_in) -> this rank's columns
         return full.chunk(self.comm.size, dim=1)[self.comm.rank]
 
-    def forward(self, x):                        # x: (B, T, in/tp)
-        y = parallel.g(F.linear(x, self.weight), self.comm)          # (B, T, out), SP: (B, T/tp, out)
+    def forward(self, x):  # x: (B, T, in/tp)
+        y = parallel.g(F.linear(x, self.weight), self.comm)  # (B, T, out), SP: (B, T/tp, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -156,7 +163,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         if self.comm.size == 1:
             return F.embedding(idx, self.weight)
-        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm, "embed")   # (B, T, C), SP: (B, T/tp, C)
+        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm, "embed")  # (B, T, C), SP: (B, T/tp, C)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -166,7 +173,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     padding) are excluded; targets == -1 are ignored. Works in place on one (N, V/tp) buffer."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, n_real, group):   # logits: (N, V/tp) fp32, targets: (N,)
+    def forward(ctx, logits, targets, start, n_real, group):  # logits: (N, V/tp) fp32, targets: (N,)
         tp = dist.get_world_size(group) if group is not None else 1
         n_real = max(0, min(n_real, logits.shape[-1]))
         m = logits[:, :n_real].max(dim=-1).values if n_real else logits.new_full(logits.shape[:1], -torch.inf)
@@ -175,7 +182,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - start
         mine = (local >= 0) & (local < n_real)
         local = local.masked_fill(~mine, 0)
-        p = logits - m[:, None]                                   # (N, V/tp), the one big buffer
+        p = logits - m[:, None]  # (N, V/tp), the one big buffer
         zt = p.gather(1, local[:, None])[:, 0] * mine
         p[:, n_real:] = -torch.inf
         se = p.exp_().sum(dim=-1)
@@ -186,19 +193,20 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         valid = targets >= 0
         nvalid = valid.sum().clamp(min=1)
         loss = ((se.log() - zt) * valid).sum() / nvalid
-        ctx.save_for_backward(p.div_(se[:, None]), local, mine & valid, valid, nvalid)   # p = softmax
+        ctx.save_for_backward(p.div_(se[:, None]), local, mine & valid, valid, nvalid)  # p = softmax
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         p, local, hit, valid, nvalid = ctx.saved_tensors
-        g = p.mul_(valid[:, None])                                # reuses the softmax buffer
+        g = p.mul_(valid[:, None])  # reuses the softmax buffer
         g[torch.arange(g.shape[0], device=g.device), local] -= hit.to(g.dtype)
         return g.mul_(grad / nvalid), None, None, None, None
 
 
 # -----------------------------------------------------------------------------
 # the transformer
+
 
 class RMSNorm(nn.Module):
     """Qwen2's RMSNorm in Hugging Face's order: normalise in fp32, cast back, then the weight."""
@@ -216,11 +224,11 @@ def rotary(T, head_dim, theta, device):
     """cos, sin (T, head_dim) in fp32 of Hugging Face's half-split rotary embedding: dimension i and
     i + head_dim/2 of a head form one pair, rotated by the angle pos * theta^(-2i/head_dim)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = (torch.arange(T, device=device).float()[:, None] * inv_freq).repeat(1, 2)   # (T, head_dim)
+    angles = (torch.arange(T, device=device).float()[:, None] * inv_freq).repeat(1, 2)  # (T, head_dim)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x, cos, sin):               # x: (B, h, T, hd); cos, sin cast to x's dtype (as HF)
+def apply_rotary(x, cos, sin):  # x: (B, h, T, hd); cos, sin cast to x's dtype (as HF)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
 
@@ -232,20 +240,23 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg, comm):
         super().__init__()
         self.hd, self.gqa = cfg.n_embd // cfg.n_head, cfg.n_kv_head != cfg.n_head
-        self.local = [n // comm.size for n in cfg.qkv_sections]       # this rank's [Q|K|V]: whole heads
+        self.local = [n // comm.size for n in cfg.qkv_sections]  # this rank's [Q|K|V]: whole heads
         self.qkv = ColumnParallelLinear(cfg.n_embd, sum(cfg.qkv_sections), comm, cfg.bias, sections=cfg.qkv_sections)
         self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, comm, cfg.bias and cfg.arch == "gpt2")
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None):             # x: (B, T, C), with sequence parallelism (B, T/tp, C)
-        q, k, v = (rearrange(t, "b t (h d) -> b h t d", d=self.hd)                  # (B, h/tp or kv/tp, T, hd)
-                   for t in self.qkv(x).split(self.local, dim=-1))                # (B, T, (h + 2kv) hd/tp)
+    def forward(self, x, rope=None):  # x: (B, T, C), with sequence parallelism (B, T/tp, C)
+        q, k, v = (
+            rearrange(t, "b t (h d) -> b h t d", d=self.hd)  # (B, h/tp or kv/tp, T, hd)
+            for t in self.qkv(x).split(self.local, dim=-1)
+        )  # (B, T, (h + 2kv) hd/tp)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.gqa)                             # (B, h/tp, T, hd)
-        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))    # (B, T, C/tp) -> (B, T, C)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.gqa
+        )  # (B, h/tp, T, hd)
+        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))  # (B, T, C/tp) -> (B, T, C)
 
 
 class MLP(nn.Module):
@@ -260,13 +271,17 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        h = self.fc(x)                                                  # (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
+        h = self.fc(x)  # (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
         h = F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1] if self.swiglu else F.gelu(h, approximate="tanh")
-        return self.drop(self.proj(h))                                  # (B, T, I/tp) -> (B, T, C)
+        return self.drop(self.proj(h))  # (B, T, I/tp) -> (B, T, C)
 
 
 def norm(cfg):
-    return RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.arch == "qwen2" else nn.LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
+    return (
+        RMSNorm(cfg.n_embd, cfg.norm_eps)
+        if cfg.arch == "qwen2"
+        else nn.LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
+    )
 
 
 class Block(nn.Module):
@@ -296,20 +311,20 @@ class GPT(nn.Module):
         self.stage, self.stages = stage, stages
         self.first, self.last = stage == 0, stage == stages - 1
         per = c.n_layer // stages
-        self.layers = range(stage * per, (stage + 1) * per)       # global indices of this stage's blocks
+        self.layers = range(stage * per, (stage + 1) * per)  # global indices of this stage's blocks
         if self.first or (self.last and c.tie_embeddings):
             self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm)
-            self.wte.weight.pp_tied_copy = not self.first       # counted once in the gradient norm
+            self.wte.weight.pp_tied_copy = not self.first  # counted once in the gradient norm
         if self.first:
-            self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.arch == "gpt2" else None   # qwen2: rotary
+            self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.arch == "gpt2" else None  # qwen2: rotary
             self.drop = nn.Dropout(c.dropout)
         self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
         if self.last:
             self.ln_f = norm(c)
             self.lm_head = ColumnParallelLinear(c.n_embd, c.padded_vocab, self.comm, bias=False)
             if c.tie_embeddings:
-                self.lm_head.weight = self.wte.weight           # tied: one parameter, sliced alike
-        if seed is not None:                                     # None: weights to be loaded
+                self.lm_head.weight = self.wte.weight  # tied: one parameter, sliced alike
+        if seed is not None:  # None: weights to be loaded
             self.init_weights(seed)
 
     # --- initialisation: full tensors from one generator, then this rank's slice ---
@@ -317,7 +332,7 @@ class GPT(nn.Module):
         """(module or None if another stage owns it, attribute, full shape, std) for every weight of
         the whole model, in a fixed order: the same on every rank, TP degree and pipeline stage."""
         c = self.config
-        proj_std = 0.02 / math.sqrt(2 * c.n_layer)   # GPT-2: scale residual projections
+        proj_std = 0.02 / math.sqrt(2 * c.n_layer)  # GPT-2: scale residual projections
         owned = dict(zip(self.layers, self.h))
         C, I = c.n_embd, c.intermediate_size
         yield getattr(self, "wte", None), "weight", (c.padded_vocab, C), 0.02
@@ -336,10 +351,10 @@ class GPT(nn.Module):
     def init_weights(self, seed):
         gen = torch.Generator().manual_seed(seed)
         for mod, attr, shape, std in self.full_shapes():
-            full = torch.randn(shape, generator=gen) * std             # drawn even if not ours
+            full = torch.randn(shape, generator=gen) * std  # drawn even if not ours
             if mod is not None:
                 getattr(mod, attr).copy_(mod.shard(full) if hasattr(mod, "shard") else full)
-        for m in self.modules():                 # biases zero, norm weights one
+        for m in self.modules():  # biases zero, norm weights one
             if isinstance(getattr(m, "bias", None), torch.Tensor):
                 m.bias.zero_()
             if isinstance(m, (nn.LayerNorm, RMSNorm)):
@@ -356,8 +371,8 @@ class GPT(nn.Module):
             B, T = idx.shape
             assert T <= c.block_size, f"sequence length {T} > block_size {c.block_size}"
             assert T % sp == 0, f"sequence parallelism needs T ({T}) divisible by tp"
-            x = self.wte(idx)                                                        # (B, T, C), SP: (B, T/tp, C)
-            pos = torch.arange(T, device=idx.device).chunk(sp)[self.comm.rank if sp > 1 else 0]   # SP: its slice
+            x = self.wte(idx)  # (B, T, C), SP: (B, T/tp, C)
+            pos = torch.arange(T, device=idx.device).chunk(sp)[self.comm.rank if sp > 1 else 0]  # SP: its slice
             x = self.drop(x + self.wpe(pos) if self.wpe is not None else x)
         else:
             x = hidden
@@ -366,14 +381,17 @@ class GPT(nn.Module):
             x = block(x, rope)
         if not self.last:
             return x, None
-        if targets is None:                                      # generation: the last position only
+        if targets is None:  # generation: the last position only
             assert not self.comm.sp, "the last position alone: not with sequence parallelism"
-            return self.lm_head(self.ln_f(x)[:, -1:, :]), None                     # (B, 1, V/tp)
-        logits = self.lm_head(self.ln_f(x))                                          # (B, T, V/tp)
-        if self.comm.size == 1:      # the whole vocabulary here: PyTorch's loss, fused by torch.compile (unlike a slice)
-            real = logits.float().masked_fill(torch.arange(logits.shape[-1], device=x.device) >= c.vocab_size, -torch.inf)
-            return logits, F.cross_entropy(real.flatten(0, 1), targets.flatten(), ignore_index=-1)   # padding: -inf
-        start = self.comm.rank * logits.shape[-1]                                   # this rank's first column
-        loss = VocabParallelCrossEntropy.apply(logits.float().view(-1, logits.shape[-1]), targets.view(-1),
-                                               start, c.vocab_size - start, self.comm.group)   # padding excluded
+            return self.lm_head(self.ln_f(x)[:, -1:, :]), None  # (B, 1, V/tp)
+        logits = self.lm_head(self.ln_f(x))  # (B, T, V/tp)
+        if self.comm.size == 1:  # the whole vocabulary here: PyTorch's loss, fused by torch.compile (unlike a slice)
+            real = logits.float().masked_fill(
+                torch.arange(logits.shape[-1], device=x.device) >= c.vocab_size, -torch.inf
+            )
+            return logits, F.cross_entropy(real.flatten(0, 1), targets.flatten(), ignore_index=-1)  # padding: -inf
+        start = self.comm.rank * logits.shape[-1]  # this rank's first column
+        loss = VocabParallelCrossEntropy.apply(
+            logits.float().view(-1, logits.shape[-1]), targets.view(-1), start, c.vocab_size - start, self.comm.group
+        )  # padding excluded
         return logits, loss

@@ -28,6 +28,7 @@ Pipeline parallelism splits the blocks over pp stages and runs microbatches thro
 GPipe or 1F1B schedule (point-to-point sends of the (B, T, C) activations and their gradients).
 Data parallelism is in data_parallel.py.
 """
+
 import datetime
 import math
 import os
@@ -47,6 +48,7 @@ SCHEDULES = ("1f1b", "gpipe")
 # -----------------------------------------------------------------------------
 # the rank grid
 
+
 @dataclass
 class Grid:
     rank: int = 0
@@ -60,8 +62,8 @@ class Grid:
     tp_group: object = None
     pp_group: object = None
     dp_group: object = None
-    tied_group: object = None     # first and last pipeline stage of this (dp, tp) position (tied wte)
-    procs: list = field(default_factory=list)    # (host, pid) of every rank (watchdog.py)
+    tied_group: object = None  # first and last pipeline stage of this (dp, tp) position (tied wte)
+    procs: list = field(default_factory=list)  # (host, pid) of every rank (watchdog.py)
 
     @property
     def last_stage_rank(self):
@@ -74,30 +76,31 @@ def init_grid(tp=1, pp=1, backend=None, timeout=None):
     Without torchrun (no WORLD_SIZE) this is a single process and no group is created. A collective
     that waits longer than `timeout` seconds for a stalled rank raises (gloo) or aborts (NCCL)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % (tp * pp):                     # config.check_layout says more, before launch
+    if world % (tp * pp):  # config.check_layout says more, before launch
         raise ValueError(f"the world size {world} is not a multiple of tp*pp = {tp * pp}")
     dp = world // (tp * pp)
     if world == 1 and not dist.is_initialized():
         return Grid(tp=tp, pp=pp, dp=dp)
     timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")       # no NVLink multicast (the symm transport uses peer loads)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the symm transport uses peer loads)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout)
     rank = dist.get_rank()
     grid = Grid(rank=rank, world=world, tp=tp, pp=pp, dp=dp)
     ranks = torch.arange(world).view(dp, pp, tp)
     # every rank must create every group, in the same order (torch.distributed's rule)
-    rows = {"tp_group": [ranks[d, p, :] for d in range(dp) for p in range(pp)],
-            "pp_group": [ranks[d, :, t] for d in range(dp) for t in range(tp)],
-            "dp_group": [ranks[:, p, t] for p in range(pp) for t in range(tp)],
-            "tied_group": [ranks[d, [0, pp - 1], t] for d in range(dp) for t in range(tp)] if pp > 1 else []}
+    rows = {
+        "tp_group": [ranks[d, p, :] for d in range(dp) for p in range(pp)],
+        "pp_group": [ranks[d, :, t] for d in range(dp) for t in range(tp)],
+        "dp_group": [ranks[:, p, t] for p in range(pp) for t in range(tp)],
+        "tied_group": [ranks[d, [0, pp - 1], t] for d in range(dp) for t in range(tp)] if pp > 1 else [],
+    }
     for attr, groups in rows.items():
         for members in groups:
             g = dist.new_group(members.tolist(), timeout=timeout)
             if rank in members.tolist():
                 setattr(grid, attr, g)
-    (grid.dp_rank,), (grid.pp_rank,), (grid.tp_rank,) = [
-        x.tolist() for x in (ranks == rank).nonzero(as_tuple=True)]
+    (grid.dp_rank,), (grid.pp_rank,), (grid.tp_rank,) = [x.tolist() for x in (ranks == rank).nonzero(as_tuple=True)]
     grid.procs = [None] * world
     dist.all_gather_object(grid.procs, (socket.gethostname(), os.getpid()))
     return grid
@@ -105,6 +108,7 @@ def init_grid(tp=1, pp=1, backend=None, timeout=None):
 
 # -----------------------------------------------------------------------------
 # tensor parallelism: the one TP all-reduce, and the f / g operators built on it
+
 
 @dataclass
 class TPComm:
@@ -115,6 +119,7 @@ class TPComm:
     embed_codec the embedding's forward all-reduce ("": fwd_codec), whose error reaches every layer;
     site_codecs {"attn" | "mlp": codec} a block part's all-reduces (at(site): that part's TPComm).
     "none" is a plain torch.distributed.all_reduce; so is any tensor under min_bytes."""
+
     group: object = None
     size: int = 1
     rank: int = 0
@@ -125,16 +130,24 @@ class TPComm:
     chunks: int = 1
     min_bytes: int = 0
     stats: runlog.CommStats = field(default_factory=runlog.CommStats)
-    sp: bool = False             # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
-    transport: str = "auto"      # taco.TRANSPORTS: auto | dist (NCCL, gloo) | symm (symmetric memory)
+    sp: bool = False  # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
+    transport: str = "auto"  # taco.TRANSPORTS: auto | dist (NCCL, gloo) | symm (symmetric memory)
     site_codecs: dict = field(default_factory=dict)
 
     def at(self, site):
         """The TPComm of one part of a block ("attn", "mlp"): its codec from site_codecs replaces
         each direction's, where that direction compresses at all (the same stats and group)."""
         k = self.site_codecs.get(site)
-        return self if not k else replace(self, fwd_codec=k if self.fwd_codec != "none" else "none",
-                                          bwd_codec=k if self.bwd_codec != "none" else "none", site_codecs={})
+        return (
+            self
+            if not k
+            else replace(
+                self,
+                fwd_codec=k if self.fwd_codec != "none" else "none",
+                bwd_codec=k if self.bwd_codec != "none" else "none",
+                site_codecs={},
+            )
+        )
 
     def codec_for(self, x, direction):
         """The codec for a TP collective of x in direction "fwd", "bwd" or "embed" (the embedding's fwd)."""
@@ -144,23 +157,43 @@ class TPComm:
     def sum(self, x, direction, async_op=False):
         """SUM over the TP group, in place, returning x (async_op: a handle to wait() on).
         THE single entry point for TP all-reduces."""
-        return taco.all_reduce(x, group=self.group, codec=self.codec_for(x, direction), block_size=self.block_size,
-                               chunks=self.chunks, stats=self.stats, async_op=async_op, transport=self.transport)
+        return taco.all_reduce(
+            x,
+            group=self.group,
+            codec=self.codec_for(x, direction),
+            block_size=self.block_size,
+            chunks=self.chunks,
+            stats=self.stats,
+            async_op=async_op,
+            transport=self.transport,
+        )
 
     def reduce_scatter_seq(self, x, direction):
         """(B, T, C) partial sums -> this rank's summed sequence slice (B, T/tp, C)."""
         B, T, C = x.shape
-        flat = x.transpose(0, 1).contiguous().view(-1)            # (T, B, C): slices are contiguous
-        out = taco.reduce_scatter(flat, group=self.group, codec=self.codec_for(x, direction),
-                                  block_size=self.block_size, stats=self.stats, transport=self.transport)
+        flat = x.transpose(0, 1).contiguous().view(-1)  # (T, B, C): slices are contiguous
+        out = taco.reduce_scatter(
+            flat,
+            group=self.group,
+            codec=self.codec_for(x, direction),
+            block_size=self.block_size,
+            stats=self.stats,
+            transport=self.transport,
+        )
         return out.view(T // self.size, B, C).transpose(0, 1).contiguous()
 
     def all_gather_seq(self, x, direction):
         """(B, T/tp, C) sequence slices -> the whole (B, T, C), every rank the same bits."""
         B, t, C = x.shape
         flat = x.transpose(0, 1).contiguous().view(-1)
-        out = taco.all_gather(flat, group=self.group, codec=self.codec_for(x, direction),
-                              block_size=self.block_size, stats=self.stats, transport=self.transport)
+        out = taco.all_gather(
+            flat,
+            group=self.group,
+            codec=self.codec_for(x, direction),
+            block_size=self.block_size,
+            stats=self.stats,
+            transport=self.transport,
+        )
         return out.view(t * self.size, B, C).transpose(0, 1).contiguous()
 
 
@@ -185,7 +218,7 @@ class _F(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
         if comm.sp:
-            x = comm.all_gather_seq(x, "fwd")                          # (B, T/tp, C) -> (B, T, C)
+            x = comm.all_gather_seq(x, "fwd")  # (B, T/tp, C) -> (B, T, C)
         w = weight.to(x.dtype)
         b = None if bias is None else bias.to(x.dtype)
         ctx.save_for_backward(x, w)
@@ -196,16 +229,16 @@ class _F(torch.autograd.Function):
     def backward(ctx, gy):
         x, w = ctx.saved_tensors
         comm = ctx.comm
-        gx = gy @ w                                                     # (..., in): a partial sum
+        gx = gy @ w  # (..., in): a partial sum
         if not comm.sp:
-            handle = comm.sum(gx, "bwd", async_op=True)                 # start f's all-reduce ...
+            handle = comm.sum(gx, "bwd", async_op=True)  # start f's all-reduce ...
         gy2 = gy.reshape(-1, gy.shape[-1])
         gw = (gy2.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[0])  # ... these matmuls run meanwhile
         gb = None if ctx.dtypes[1] is None else gy2.sum(0).to(ctx.dtypes[1])
         if not comm.sp:
-            handle.wait()                                               # gx is the full sum from here on
+            handle.wait()  # gx is the full sum from here on
         else:
-            gx = comm.reduce_scatter_seq(gx, "bwd")                     # (B, T, C) -> (B, T/tp, C)
+            gx = comm.reduce_scatter_seq(gx, "bwd")  # (B, T, C) -> (B, T/tp, C)
         return gx, gw, gb, None
 
 
@@ -218,7 +251,7 @@ class _G(torch.autograd.Function):
         ctx.comm = comm
         if not comm.sp:
             return comm.sum(x.contiguous(), direction)
-        return comm.reduce_scatter_seq(x, direction)                    # (B, T, C) -> (B, T/tp, C)
+        return comm.reduce_scatter_seq(x, direction)  # (B, T, C) -> (B, T/tp, C)
 
     @staticmethod
     def backward(ctx, grad):
@@ -238,6 +271,7 @@ def sync_sp_grads(params, comm):
 
 # -----------------------------------------------------------------------------
 # pipeline parallelism
+
 
 def pipeline_schedule(kind, microbatches, stage, stages):
     """The order in which one stage runs the forward (F) and backward (B) of each microbatch.
@@ -278,8 +312,19 @@ def recv_stage(shape, dtype, device, src, codec):
     return codec.decompress(buf, shape, dtype)
 
 
-def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False,
-                 codec="none", codec_bwd=None, block_size=256, stats=None):
+def run_pipeline(
+    actions,
+    forward,
+    grid,
+    shape,
+    dtype,
+    device,
+    verbose=False,
+    codec="none",
+    codec_bwd=None,
+    block_size=256,
+    stats=None,
+):
     """Run one stage's part of a pipeline step. forward(i, hidden) -> (out, loss) runs microbatch i
     on this stage (loss on the last stage, already divided by the number of microbatches).
     Activations go to the next stage (global rank + tp) and gradients back (rank - tp) with
@@ -310,12 +355,12 @@ def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False,
             if last:
                 total = loss.detach() if total is None else total + loss.detach()
             else:
-                sends.append(send_stage(out, nxt, cd_f, stats))      # keeps the buffer alive
+                sends.append(send_stage(out, nxt, cd_f, stats))  # keeps the buffer alive
                 trace(f"F{i}: sent activation to rank {nxt}")
             if torch.is_grad_enabled():
                 inputs[i], outputs[i] = h, (loss if last else out)
         else:
-            y = outputs.pop(i)                      # freed once its backward has run
+            y = outputs.pop(i)  # freed once its backward has run
             if last:
                 y.backward()
             else:
@@ -333,5 +378,10 @@ def run_pipeline(actions, forward, grid, shape, dtype, device, verbose=False,
 
 def sync_tied_grads(model, grid):
     """Sum the tied embedding's gradient over its two copies (first and last stage)."""
-    if grid.pp > 1 and model.config.tie_embeddings and (model.first or model.last) and model.wte.weight.grad is not None:
+    if (
+        grid.pp > 1
+        and model.config.tie_embeddings
+        and (model.first or model.last)
+        and model.wte.weight.grad is not None
+    ):
         dist.all_reduce(model.wte.weight.grad, group=grid.tied_group)

@@ -3,6 +3,7 @@ runlog.py — what a training run writes: rank 0's banner and log lines, log.jso
 
 train.py calls these; `r` is its run state (train.Run).
 """
+
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ import torch.distributed as dist
 class CommStats:
     """Bytes this rank put on the wire vs what an uncompressed ring all-reduce would have sent (the
     collectives of taco.py add to it, the step line prints it)."""
+
     calls: int = 0
     wire_bytes: int = 0
     logical_bytes: int = 0
@@ -45,8 +47,10 @@ class Output:
             self.jlog = open_log(r)
             if r.cfg["progress"] and sys.stderr.isatty():
                 from tqdm import tqdm
-                self.bar = tqdm(total=r.cfg["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True,
-                                leave=False)
+
+                self.bar = tqdm(
+                    total=r.cfg["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False
+                )
 
     def step(self):
         if self.bar is not None:
@@ -93,8 +97,10 @@ def banner(r):
         print(f"resumed from {r.resumed_from} (iteration {r.it0}, run {r.run_id})")
     if r.tp_auto:
         print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
-    print(f"model: {r.model.config.num_params() / 1e6:.2f} M parameters (non-embedding), "
-          f"{r.model.config.num_params(False) / 1e6:.2f} M in all")
+    print(
+        f"model: {r.model.config.num_params() / 1e6:.2f} M parameters (non-embedding), "
+        f"{r.model.config.num_params(False) / 1e6:.2f} M in all"
+    )
 
 
 def step_line(r, it, mean, lr, dt, tokens, flops):
@@ -103,13 +109,16 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
     line = f"step {it + 1:6d} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
     if mfu is not None:
         line += f" | mfu {mfu:5.1f}%"
-    for name, s, on in (("tp", r.comm.stats, r.grid.tp > 1), ("pp", r.pp_stats, r.grid.pp > 1),
-                        ("dp", r.dp_stats, r.grid.dp > 1)):
-        if on:              # this rank's bytes on the wire, and how much less than uncompressed
-            line += f" | {name}{f' {s.calls:3d} ar' if name == 'tp' else ''} {s.wire_bytes / 2 ** 20:8.2f} MiB wire x{s.ratio:4.2f}"
+    for name, s, on in (
+        ("tp", r.comm.stats, r.grid.tp > 1),
+        ("pp", r.pp_stats, r.grid.pp > 1),
+        ("dp", r.dp_stats, r.grid.dp > 1),
+    ):
+        if on:  # this rank's bytes on the wire, and how much less than uncompressed
+            line += f" | {name}{f' {s.calls:3d} ar' if name == 'tp' else ''} {s.wire_bytes / 2**20:8.2f} MiB wire x{s.ratio:4.2f}"
     mem = None
-    if r.use_cuda:                  # the peak GPU memory of the run so far, the largest of any rank
-        mem = torch.tensor([torch.cuda.max_memory_allocated() / 2 ** 30], device=r.dev)
+    if r.use_cuda:  # the peak GPU memory of the run so far, the largest of any rank
+        mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=r.dev)
         if r.grid.world > 1:
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem = mem.item()
@@ -141,6 +150,10 @@ def open_log(r):
             kept = [line for line in f if json.loads(line).get("iter", 0) <= r.it0]
     f = open(path, "w")
     f.writelines(kept)
-    f.write(json.dumps({"config": r.cfg, "run_id": r.run_id, "resumed_from": r.resumed_from, "iter0": r.it0,
-                        "tp_auto": r.tp_auto}) + "\n")
+    f.write(
+        json.dumps(
+            {"config": r.cfg, "run_id": r.run_id, "resumed_from": r.resumed_from, "iter0": r.it0, "tp_auto": r.tp_auto}
+        )
+        + "\n"
+    )
     return f

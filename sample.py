@@ -8,6 +8,7 @@ sample at the end of a run), and the command line for checkpoints and weights:
 
 A checkpoint of any (tp, pp) layout is merged into one model on one process (checkpoint.merge).
 """
+
 import argparse
 import os
 
@@ -34,12 +35,12 @@ def full_logits(model, idx, grid=None):
         if not model.last:
             dist.send(logits.float().contiguous(), grid.rank + grid.tp)
             return None
-    logits = logits[:, -1, :].float().contiguous()                                # (B, V/tp)
+    logits = logits[:, -1, :].float().contiguous()  # (B, V/tp)
     if model.comm.size > 1:
         parts = [torch.empty_like(logits) for _ in range(model.comm.size)]
         dist.all_gather(parts, logits, group=model.comm.group)
         logits = torch.cat(parts, dim=-1)
-    return logits[:, :model.config.vocab_size]
+    return logits[:, : model.config.vocab_size]
 
 
 @torch.no_grad()
@@ -50,7 +51,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
     and broadcasts it to the other stages of its pipeline."""
     assert not model.comm.sp, "sampling with sequence parallelism is not implemented"
     for _ in range(max_new_tokens):
-        ctx = idx[:, -model.config.block_size:]
+        ctx = idx[:, -model.config.block_size :]
         logits = full_logits(model, ctx, grid)
         nxt = torch.empty(idx.shape[0], 1, dtype=idx.dtype, device=idx.device)
         if model.last:
@@ -77,10 +78,11 @@ def print_sample(model, prompt, tokens, grid, seed, autocast, tokenizer="gpt2"):
             print("(no sample: generation is not implemented with sequence parallelism)")
         return
     from data.tokenizer import get_encoding
+
     enc, dev = get_encoding(tokenizer), next(model.parameters()).device
     model.eval()
     idx = torch.tensor([enc.encode_ordinary(prompt)], device=dev)
-    gen = torch.Generator().manual_seed(seed)                 # identical on every TP rank
+    gen = torch.Generator().manual_seed(seed)  # identical on every TP rank
     with autocast:
         out = generate(model, idx, tokens, temperature=0.8, top_k=100, generator=gen, grid=grid)
     if grid.rank == 0:
@@ -122,31 +124,42 @@ def cli(argv=None):
     a = ap.parse_args(argv)
     try:
         model = load(a.path, a.device if a.cmd == "generate" else "cpu")
-    except ValueError as e:                                   # a folder that is not what it should be
+    except ValueError as e:  # a folder that is not what it should be
         raise SystemExit(f"{a.path}: {e}") from None
     if a.cmd == "export":
         if os.path.exists(a.dest) and not os.path.isdir(a.dest):
-            raise SystemExit(f"{a.dest} is a file: export writes a folder (model.safetensors, config.json); "
-                             f"choose another destination")
+            raise SystemExit(
+                f"{a.dest} is a file: export writes a folder (model.safetensors, config.json); "
+                f"choose another destination"
+            )
         name = tokenizer_of(model.config)
         covered = model.config.vocab_size >= {"gpt2": 50257, "qwen2": 151646}[name]
         with checkpoint.os_errors(a.dest, "export"):
             checkpoint.save_hf(model, a.dest)
-            if covered:                       # AutoTokenizer.from_pretrained(dest) reads these
+            if covered:  # AutoTokenizer.from_pretrained(dest) reads these
                 from data.tokenizer import save_hf
+
                 save_hf(name, a.dest, model.config.block_size)
-        print(f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})" +
-              (f", and {name}'s tokenizer (vocab.json, merges.txt, tokenizer_config.json)" if covered else
-               f"; no tokenizer: a vocabulary of {model.config.vocab_size} is no tokenizer's here"))
+        print(
+            f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})"
+            + (
+                f", and {name}'s tokenizer (vocab.json, merges.txt, tokenizer_config.json)"
+                if covered
+                else f"; no tokenizer: a vocabulary of {model.config.vocab_size} is no tokenizer's here"
+            )
+        )
         return
     if a.temperature <= 0 or a.tokens < 0 or a.top_k < 0:
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")
     from data.tokenizer import get_encoding
+
     enc = get_encoding(tokenizer_of(model.config))
     ids = enc.encode_ordinary(a.prompt)
     if max(ids, default=0) >= model.config.vocab_size:
-        raise SystemExit(f"the prompt's token ids reach {max(ids)}, past the model's vocabulary of "
-                         f"{model.config.vocab_size} ({enc.name}'s tokenizer): a prompt of other words, or the model's data")
+        raise SystemExit(
+            f"the prompt's token ids reach {max(ids)}, past the model's vocabulary of "
+            f"{model.config.vocab_size} ({enc.name}'s tokenizer): a prompt of other words, or the model's data"
+        )
     idx = torch.tensor([ids] * a.num_samples, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
     out = generate(model, idx, a.tokens, a.temperature, a.top_k or None, gen)

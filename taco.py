@@ -66,6 +66,7 @@ directly, two barriers instead of two NCCL calls, the same bytes and results.
 
 On CUDA tensors the fused kernels of taco_kernels.cu (loaded by taco_ext.py) do steps 2, 4 and 6;
 elsewhere, and as their definition, the PyTorch reference here."""
+
 import math
 import os
 from dataclasses import dataclass
@@ -76,8 +77,8 @@ import torch.distributed as dist
 
 import taco_ext
 
-DEFAULT_CODEC = "hint8"          # the most accurate 8-bit codec here (docs/RESULTS.md); `taco` is the paper's
-TRANSPORTS = ("auto", "dist", "symm")   # how the compressed bytes travel (taco_symm.workspace)
+DEFAULT_CODEC = "hint8"  # the most accurate 8-bit codec here (docs/RESULTS.md); `taco` is the paper's
+TRANSPORTS = ("auto", "dist", "symm")  # how the compressed bytes travel (taco_symm.workspace)
 
 QMAX = {"e4m3": 448.0, "e5m2": 57344.0, "int8": 127.0, "int6": 31.0, "int4": 7.0}
 BITS = {"e4m3": 8, "e5m2": 8, "int8": 8, "int6": 6, "int4": 4}
@@ -88,32 +89,33 @@ FP32_MAX = torch.finfo(torch.float32).max
 
 @dataclass(frozen=True)
 class CodecSpec:
-    adaptive: bool   # Eq. 6-7: per-block alpha = tau / rms
-    rotate: bool     # Eq. 8: block Walsh-Hadamard
-    scale: str       # "block" (Eq. 9) | "tensor" (one absmax per message) | "none"
-    fmt: str         # "e4m3" | "e5m2" | "int8" | "int6" | "int4"
+    adaptive: bool  # Eq. 6-7: per-block alpha = tau / rms
+    rotate: bool  # Eq. 8: block Walsh-Hadamard
+    scale: str  # "block" (Eq. 9) | "tensor" (one absmax per message) | "none"
+    fmt: str  # "e4m3" | "e5m2" | "int8" | "int6" | "int4"
 
 
 CODECS = {
     # the paper
-    "taco":       CodecSpec(True,  True,  "block",  "e4m3"),
+    "taco": CodecSpec(True, True, "block", "e4m3"),
     # the paper's ablations (Figs. 11, 13, 14)
-    "fp8":        CodecSpec(False, False, "none",   "e4m3"),   # direct cast ("NVFP8")
-    "fp8-tensor": CodecSpec(False, False, "tensor", "e4m3"),   # one absmax scale per tensor
-    "ds":         CodecSpec(False, False, "block",  "e4m3"),   # per-block absmax, no rotation
-    "hadamard":   CodecSpec(False, True,  "tensor", "e4m3"),   # standard Hadamard, one scale
-    "ash":        CodecSpec(True,  True,  "none",   "e4m3"),   # alpha + Hadamard, saturating cast
-    "taco-e5m2":  CodecSpec(True,  True,  "block",  "e5m2"),
-    "taco-int8":  CodecSpec(True,  True,  "block",  "int8"),
+    "fp8": CodecSpec(False, False, "none", "e4m3"),  # direct cast ("NVFP8")
+    "fp8-tensor": CodecSpec(False, False, "tensor", "e4m3"),  # one absmax scale per tensor
+    "ds": CodecSpec(False, False, "block", "e4m3"),  # per-block absmax, no rotation
+    "hadamard": CodecSpec(False, True, "tensor", "e4m3"),  # standard Hadamard, one scale
+    "ash": CodecSpec(True, True, "none", "e4m3"),  # alpha + Hadamard, saturating cast
+    "taco-e5m2": CodecSpec(True, True, "block", "e5m2"),
+    "taco-int8": CodecSpec(True, True, "block", "int8"),
     # ours
-    "hint8":      CodecSpec(False, True,  "block",  "int8"),   # Hadamard + block absmax INT8
-    "hint6":      CodecSpec(False, True,  "block",  "int6"),   # same, 6-bit codes, 4 per 3 bytes
-    "hint4":      CodecSpec(False, True,  "block",  "int4"),   # same, 4-bit codes (SDP4Bit-style DP gradients)
+    "hint8": CodecSpec(False, True, "block", "int8"),  # Hadamard + block absmax INT8
+    "hint6": CodecSpec(False, True, "block", "int6"),  # same, 6-bit codes, 4 per 3 bytes
+    "hint4": CodecSpec(False, True, "block", "int4"),  # same, 4-bit codes (SDP4Bit-style DP gradients)
 }
 
 
 # -----------------------------------------------------------------------------
 # building blocks shared by every codec (the CUDA kernels do the same arithmetic in the same order)
+
 
 def fwht(x, reverse=False):
     """Unnormalised Walsh-Hadamard transform over the last dim (a power of two), in place order:
@@ -190,7 +192,7 @@ def unpack_bits(b, bits):
     w = sum(t[..., j] << (8 * j) for j in range(t.shape[-1]))
     u = torch.stack([(w >> (bits * i)) & ((1 << bits) - 1) for i in range(k)], dim=-1)
     sign = 1 << (bits - 1)
-    return ((u ^ sign) - sign).reshape(*b.shape[:-1], -1)      # sign-extend
+    return ((u ^ sign) - sign).reshape(*b.shape[:-1], -1)  # sign-extend
 
 
 def quantize(y, fmt):
@@ -198,7 +200,7 @@ def quantize(y, fmt):
     y = y.clamp(-QMAX[fmt], QMAX[fmt])
     if fmt in FP8_DTYPE:
         return y.to(FP8_DTYPE[fmt]).view(torch.uint8)
-    q = torch.round(y)                                          # round half to even
+    q = torch.round(y)  # round half to even
     return q.to(torch.int8).view(torch.uint8) if fmt == "int8" else pack_bits(q, BITS[fmt])
 
 
@@ -214,6 +216,7 @@ def cdiv(a, b):
 
 # -----------------------------------------------------------------------------
 # the codec
+
 
 class Codec:
     """A codec = a spec + block size (+ tau, eps for the adaptive scale).
@@ -257,7 +260,7 @@ class Codec:
     # === encode ===
     def encode(self, x, M, L):
         assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
-        if x.dtype == torch.float64:            # codes come from fp32 values: a finite one past fp32's range saturates
+        if x.dtype == torch.float64:  # codes come from fp32 values: a finite one past fp32's range saturates
             x = torch.where(x.isinf(), x, x.clamp(-FP32_MAX, FP32_MAX)).float()
         if self.kernel_ok(x):
             return taco_ext.load().encode(x.contiguous(), M, taco_ext.params(self, L))
@@ -268,44 +271,44 @@ class Codec:
         sp, B = self.spec, self.B
         nb = L // B
         g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
-        g[:x.numel()] = x
+        g[: x.numel()] = x
         g = g.view(M, nb, B)
-        bad = ~torch.isfinite(g).all(dim=-1)                     # (M, nb) blocks that hold NaN/Inf
+        bad = ~torch.isfinite(g).all(dim=-1)  # (M, nb) blocks that hold NaN/Inf
         # === Eq. 6-7: adaptive scale ===
         if sp.adaptive:
             ss = block_sumsq(g)
             sigma = fsqrt(ss * (1.0 / B) + self.eps)
-            big = ~torch.isfinite(ss) & ~bad                        # |x| ~> 1e19: the squares overflow
-            if big.any():                                           # sigma of x * 2^-80, times 2^80
-                sigma = torch.where(big, fsqrt(block_sumsq(g * 2.0 ** -80) * (1.0 / B)) * 2.0 ** 80, sigma)
+            big = ~torch.isfinite(ss) & ~bad  # |x| ~> 1e19: the squares overflow
+            if big.any():  # sigma of x * 2^-80, times 2^80
+                sigma = torch.where(big, fsqrt(block_sumsq(g * 2.0**-80) * (1.0 / B)) * 2.0**80, sigma)
             alpha = fdiv(torch.full_like(sigma, self.tau), sigma)
         # === Eq. 8: rotation, as H(x / B) * sqrt(B): the butterflies never overflow ===
         rot = sp.rotate and not rotated
-        cb = self.c * B if rot else 1.0                             # 1/sqrt(B) * B, exact in fp32
-        pre = 1.0 / B if rot else 1.0                               # (folded into alpha when there is one)
+        cb = self.c * B if rot else 1.0  # 1/sqrt(B) * B, exact in fp32
+        pre = 1.0 / B if rot else 1.0  # (folded into alpha when there is one)
         g = g * (alpha * pre)[..., None] if sp.adaptive else g * pre
         if rot:
-            g = fwht(g)                                             # Z / sqrt(B), Z = H(x) / sqrt(B)
+            g = fwht(g)  # Z / sqrt(B), Z = H(x) / sqrt(B)
         # === Eq. 9: absmax scale s = m cb / Qmax (as (m / Qmax) cb: it cannot overflow; at least 2^-126
         # when m > 0, so that 1/s is finite), and 1/s correctly rounded, once per block ===
         if sp.scale in ("block", "tensor"):
             m = g.abs().amax(dim=-1) if sp.scale == "block" else g.abs().reshape(M, -1).amax(dim=-1)[:, None]
             s = fdiv(m, self.qmax) * cb
-            s = torch.where((m > 0) & (s < 2.0 ** -126), torch.full_like(s, 2.0 ** -126), s)
+            s = torch.where((m > 0) & (s < 2.0**-126), torch.full_like(s, 2.0**-126), s)
             inv = fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))
             # y = Z / s without forming Z (which can pass fp32's max when H(x) does): g * (cb / s),
             # exact like (g * cb) / s; for tiny blocks (cb / s could overflow) in that order
-            tiny = m < 2.0 ** -80 / B
+            tiny = m < 2.0**-80 / B
             gt, mul = torch.where(tiny[..., None], g * cb, g), torch.where(tiny, inv, inv * cb)[..., None]
             # integer codes round the exact product (fp64 holds it; the kernels use one fma)
             y = gt.double() * mul.double() if sp.fmt.startswith("int") else gt * mul
-            if sp.scale == "tensor":                                # one scale: a bad block spoils its message
+            if sp.scale == "tensor":  # one scale: a bad block spoils its message
                 bad |= bad.any(dim=-1, keepdim=True)
         else:
             y = g * cb
         # === Eq. 10: codes (of a rotated block in the kernels' lane order) ===
         y = lane_order(y) if rot else y
-        if sp.scale == "none" and not sp.adaptive:                 # raw cast: NaN per element
+        if sp.scale == "none" and not sp.adaptive:  # raw cast: NaN per element
             nonfinite = ~torch.isfinite(y)
             q = quantize(torch.where(nonfinite, torch.zeros_like(y), y), sp.fmt)
             q = torch.where(nonfinite, torch.full_like(q, E4M3_NAN), q)
@@ -328,13 +331,13 @@ class Codec:
         (1-D, n elements) if given."""
         n = buf.shape[0] * L if n is None else n
         odt = dtype if out is None else out.dtype
-        if odt == torch.float64:                                        # decoded in fp32, then widened
+        if odt == torch.float64:  # decoded in fp32, then widened
             y = self.decode(buf, L, n, torch.float32).double()
             return y if out is None else out.copy_(y)
         if self.kernel_ok(buf):
-            out = torch.empty(n, dtype=odt, device=buf.device) if out is None else out      # the binding checks it
+            out = torch.empty(n, dtype=odt, device=buf.device) if out is None else out  # the binding checks it
             return taco_ext.load().decode(buf.contiguous(), out, taco_ext.params(self, L))
-        big = torch.finfo(odt).max                                      # saturate, NaN stays NaN
+        big = torch.finfo(odt).max  # saturate, NaN stays NaN
         y = self._decode_ref(buf, L).reshape(-1)[:n].clamp(-big, big).to(odt)
         return y if out is None else out.copy_(y)
 
@@ -344,14 +347,14 @@ class Codec:
         nb = L // B
         pay = nb * B * self.bits // 8
         y = dequantize(buf[:, :pay].contiguous(), sp.fmt).reshape(M, nb, B)
-        meta = buf[:, pay:pay + nb * self.nmeta * 4].contiguous().view(torch.float32).reshape(M, nb, self.nmeta)
+        meta = buf[:, pay : pay + nb * self.nmeta * 4].contiguous().view(torch.float32).reshape(M, nb, self.nmeta)
         s = meta[..., -1:] if sp.scale == "block" else None
         if sp.scale == "tensor":
             tpos = pay + nb * self.nmeta * 4
-            s = buf[:, tpos:tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
+            s = buf[:, tpos : tpos + 4].contiguous().view(torch.float32).reshape(M, 1, 1)
         # === Eq. 11: Z' = q s (a huge block, s > 2^100, in units of 2^64, so that H(q s) cannot overflow) ===
         inverse = sp.rotate and not rotated
-        unit = torch.where(s > 2.0 ** 100, 2.0 ** 64, 1.0) if inverse and s is not None else 1.0
+        unit = torch.where(s > 2.0**100, 2.0**64, 1.0) if inverse and s is not None else 1.0
         if s is not None:
             y = y * (s / unit)
         # === Eq. 12: Y' = H(Z') / sqrt(B) (the kernels multiply s by 1/sqrt(B) = 1/16 first where
@@ -377,7 +380,7 @@ class Codec:
     # === whole tensors ===
     def compress(self, x):
         n = x.numel()
-        if n == 0:                                                 # nothing to encode (a tensor scale of 0)
+        if n == 0:  # nothing to encode (a tensor scale of 0)
             return torch.zeros(self.nbytes(0), dtype=torch.uint8, device=x.device)
         return self.encode(x.reshape(-1), 1, self.padded(n))[0]
 
@@ -394,7 +397,7 @@ class Codec:
 # the codec `none`: the tensor's own bytes on the wire (bf16 stays bf16); every user of a codec (the
 # collectives, parallel.send_stage) takes the plain torch.distributed path for it
 IDENTITY = SimpleNamespace(name="none")
-EXTRA_CODECS = {}      # name -> class with Codec's interface, made with no arguments (its block is its own)
+EXTRA_CODECS = {}  # name -> class with Codec's interface, made with no arguments (its block is its own)
 _CODEC_CACHE = {}
 
 
@@ -415,6 +418,7 @@ def codec_names():
 
 # -----------------------------------------------------------------------------
 # the compressed collectives
+
 
 class Pending:
     """What the collectives return with async_op=True: wait() runs the rest of the collective (once)."""
@@ -440,11 +444,13 @@ def _workspace(x, group, has_kernels, transport):
     if transport == "dist" or (transport == "auto" and not x.is_cuda):
         return None
     import taco_symm
+
     return taco_symm.workspace(x, group, has_kernels, transport)
 
 
-def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False,
-               transport="auto"):
+def all_reduce(
+    x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False, transport="auto"
+):
     """In-place SUM of x over `group`, like torch.distributed.all_reduce: the two-shot compressed
     all-reduce of the module docstring (below; inside a GPU node whose GPUs are peers, with
     transport "auto" or "symm", the same six steps over symmetric memory: taco_symm.py). Returns x;
@@ -455,14 +461,15 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}: choose {', '.join(TRANSPORTS)}")
     if any(st == 0 and size > 1 for st, size in zip(x.stride(), x.shape)):
-        raise ValueError("taco.all_reduce sums in place, but elements of x share memory (an expand()ed view): "
-                         "pass x.clone()")
+        raise ValueError(
+            "taco.all_reduce sums in place, but elements of x share memory (an expand()ed view): pass x.clone()"
+        )
     W = dist.get_world_size(group) if dist.is_initialized() else 1
     if W == 1 or x.numel() == 0:
         return Pending(None) if async_op else x
     if cd is IDENTITY and transport != "symm":
         work = dist.all_reduce(x, group=group, async_op=async_op)
-        if stats is not None:              # after the collective: torch.compile's graph breaks there anyway
+        if stats is not None:  # after the collective: torch.compile's graph breaks there anyway
             logical = 2 * (W - 1) * x.numel() * x.element_size() / W
             stats.add(logical, logical)
         return work if async_op else x
@@ -470,7 +477,7 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     if ws is not None:
         return ws.sum(x, cd, stats, async_op)
     # steps 1-6 of the module docstring over torch.distributed, chunk by chunk
-    n, flat = x.numel(), x.contiguous().view(-1)               # a copy only if x is not contiguous
+    n, flat = x.numel(), x.contiguous().view(-1)  # a copy only if x is not contiguous
     pending, wire = [], 0
     for a, b in _plan_chunks(n, W, cd.B, chunks):
         # === 1. W shards of L elements (whole blocks);  2. compress each: (W, S) bytes, message r for rank r ===
@@ -486,18 +493,19 @@ def all_reduce(x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, sta
     def finish():
         gathers = []
         for a, b, L, work, recv in pending:
-            work.wait()                                            # orders the stream, no host sync on GPU
+            work.wait()  # orders the stream, no host sync on GPU
             # === 4. reduce my shard: W messages summed in fp32 in rank order, re-compressed ===
             mine = cd.reduce_encode(recv, L)
             # === 5. all-gather the re-compressed shards ===
             gathered = torch.empty(W * mine.numel(), dtype=torch.uint8, device=x.device)
-            gathers.append((a, b, L, _all_gather_flat(gathered, mine, group=group, async_op=True),
-                            gathered.view(W, -1)))
+            gathers.append(
+                (a, b, L, _all_gather_flat(gathered, mine, group=group, async_op=True), gathered.view(W, -1))
+            )
         for a, b, L, work, gathered in gathers:
             work.wait()
             # === 6. decompress all W shards, my own included: every rank decodes the same bytes ===
             cd.decode(gathered, L, b - a, out=flat[a:b])
-        if flat.data_ptr() != x.data_ptr():                       # x was not contiguous: flat is a copy
+        if flat.data_ptr() != x.data_ptr():  # x was not contiguous: flat is a copy
             x.copy_(flat.view_as(x))
 
     if async_op:
@@ -513,8 +521,10 @@ def _check(x, group, cd, chunks=1):
     """Refuse what the codecs cannot carry; the first time a group sees a codec, size and dtype, one small
     all-gather checks that every rank passes the same (else a rank decodes the others' bytes wrongly)."""
     if cd is not IDENTITY and not x.is_floating_point():
-        raise TypeError(f"taco: a {x.dtype} tensor cannot go through the lossy {cd.name!r} codec; "
-                        f"all-reduce it with torch.distributed (or codec='none')")
+        raise TypeError(
+            f"taco: a {x.dtype} tensor cannot go through the lossy {cd.name!r} codec; "
+            f"all-reduce it with torch.distributed (or codec='none')"
+        )
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
     key = (group or dist.group.WORLD, cd.name, getattr(cd, "B", 0), x.numel(), x.dtype)
@@ -523,10 +533,14 @@ def _check(x, group, cd, chunks=1):
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         if any(not torch.equal(e, mine) for e in every):
-            said = "; ".join(f"rank {r}: {codec_names()[c]!r}, B={b}, {n} x {_DTYPES[d]}" for r, (c, b, n, d) in
-                             enumerate(e.tolist() for e in every))
-            raise RuntimeError(f"taco: the ranks of a group pass different codecs, block sizes, element counts or "
-                               f"dtypes to one collective ({said}); every rank must pass the same")
+            said = "; ".join(
+                f"rank {r}: {codec_names()[c]!r}, B={b}, {n} x {_DTYPES[d]}"
+                for r, (c, b, n, d) in enumerate(e.tolist() for e in every)
+            )
+            raise RuntimeError(
+                f"taco: the ranks of a group pass different codecs, block sizes, element counts or "
+                f"dtypes to one collective ({said}); every rank must pass the same"
+            )
         _AGREED.add(key)
 
 
@@ -555,17 +569,17 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
             stats.add((W - 1) * out.numel() * x.element_size(), (W - 1) * out.numel() * x.element_size())
         return out
     L = cd.padded(n // W)
-    shards = torch.zeros(W, L, dtype=x.dtype, device=x.device)     # shard r padded to whole blocks
-    shards[:, :n // W] = x.reshape(W, n // W)
+    shards = torch.zeros(W, L, dtype=x.dtype, device=x.device)  # shard r padded to whole blocks
+    shards[:, : n // W] = x.reshape(W, n // W)
     ws = _workspace(x, group, cd.kernel_ok(x), transport)
-    if ws is not None:                     # the W messages for my shard, read from the peers' buffers
+    if ws is not None:  # the W messages for my shard, read from the peers' buffers
         parts, S = ws.gather_messages(cd, shards.view(-1), W, L, dist.get_rank(group))
     else:
         send = cd.encode(shards.view(-1), W, L)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         parts, S = cd.decode(recv, L).view(W, L), send.shape[1]
-    out.copy_(rank_order_sum(parts)[:n // W])
+    out.copy_(rank_order_sum(parts)[: n // W])
     if stats is not None:
         stats.add((W - 1) * S, (W - 1) * out.numel() * x.element_size())
     return out
@@ -584,7 +598,7 @@ def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, t
             stats.add((W - 1) * n * x.element_size(), (W - 1) * n * x.element_size())
         return out
     ws = _workspace(x, group, cd.kernel_ok(x), transport) if n else None
-    if ws is not None:                     # every rank's one message, read from its buffer
+    if ws is not None:  # every rank's one message, read from its buffer
         parts, S = ws.gather_messages(cd, x.reshape(-1), 1, cd.padded(n), 0)
     else:
         mine = cd.compress(x)

@@ -7,6 +7,7 @@ whose messages sit in the peers' symmetric memory.
 A codec reaches the kernels as one named struct, TacoParams (taco_kernels.h; taco_binding.cpp
 exposes it as ext.Params with the same field names): params() below fills it by name.
 """
+
 import functools
 import hashlib
 import os
@@ -15,8 +16,8 @@ import subprocess
 
 import torch.distributed as dist
 
-SOURCES = ("taco_binding.cpp", "taco_kernels.cu", "taco_symm.cu")   # one extension
-MAX_PEERS = 8                  # TACO_MAX_PEERS in taco_kernels.h: messages at up to 8 addresses
+SOURCES = ("taco_binding.cpp", "taco_kernels.cu", "taco_symm.cu")  # one extension
+MAX_PEERS = 8  # TACO_MAX_PEERS in taco_kernels.h: messages at up to 8 addresses
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXT = None
 
@@ -44,23 +45,32 @@ def load(verbose=False):
     if _EXT is not None:
         return _EXT
     from torch.utils.cpp_extension import load as jit_load
+
     # TACO_NVCC_FLAGS: extra nvcc flags for kernel work, e.g. "-lineinfo" (ncu source view);
     # each set of flags gets its own build directory and module name
     extra = os.environ.get("TACO_NVCC_FLAGS", "").split()
     tag = "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else ""
     build = os.path.join(_HERE, "build", "taco_kernels" + tag)
     os.makedirs(build, exist_ok=True)
-    build_it = lambda: jit_load(name="taco_ext" + tag, sources=[os.path.join(_HERE, f) for f in SOURCES],
-                                extra_cuda_cflags=["-O3", "-fmad=false"] + _split_compile() + extra,
-                                extra_include_paths=[_HERE], build_directory=build, verbose=verbose)
+    build_it = lambda: jit_load(
+        name="taco_ext" + tag,
+        sources=[os.path.join(_HERE, f) for f in SOURCES],
+        extra_cuda_cflags=["-O3", "-fmad=false"] + _split_compile() + extra,
+        extra_include_paths=[_HERE],
+        build_directory=build,
+        verbose=verbose,
+    )
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if shared and int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        dist.barrier()                                             # wait for local rank 0's build
+        dist.barrier()  # wait for local rank 0's build
         _EXT = build_it()
     else:
         if not any(f.endswith(".so") for f in os.listdir(build)):
-            print(f"taco_ext: building the CUDA kernels into {os.path.relpath(build)} (the first build takes "
-                  f"about a minute; later ones only what changed)", flush=True)
+            print(
+                f"taco_ext: building the CUDA kernels into {os.path.relpath(build)} (the first build takes "
+                f"about a minute; later ones only what changed)",
+                flush=True,
+            )
         _EXT = build_it()
         if shared:
             dist.barrier()
@@ -71,9 +81,11 @@ def _split_compile():
     """nvcc >= 12.1 optimises the kernels on all CPU threads with --split-compile=0 (a kernel edit
     rebuilds in about half the time; the code is the same)."""
     from torch.utils.cpp_extension import CUDA_HOME
+
     try:
-        out = subprocess.run([os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc"), "--version"],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc"), "--version"], capture_output=True, text=True
+        ).stdout
         major, minor = map(int, re.search(r"release (\d+)\.(\d+)", out).groups())
     except (OSError, AttributeError):
         return []
@@ -84,7 +96,7 @@ def _split_compile():
 def params(cd, L):
     """The kernels' TacoParams for codec cd and messages of L elements (the kernels index blocks
     with 32-bit integers: at most 2^38 elements per message)."""
-    if L >= 2 ** 38:
+    if L >= 2**38:
         raise ValueError(f"taco kernels: a message of {L} elements; at most 2^38 (split the tensor)")
     sp, p = cd.spec, load().Params()
     p.fmt = getattr(load().Fmt, sp.fmt)
@@ -119,8 +131,9 @@ def two_shot_peers(x, plan, side, join, replay=True):
     buffers, parameters, message addresses, signal pads and graphs), on stream `side` (its (id,
     device, type)) as on_side puts it there; join: the current stream waits for it at the end.
     replay: as a CUDA graph captured on x's first call (one launch instead of five); False: the five."""
-    return load().two_shot_peers(x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p,
-                                 plan.replays, replay, side, join)
+    return load().two_shot_peers(
+        x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p, plan.replays, replay, side, join
+    )
 
 
 def replays():

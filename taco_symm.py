@@ -18,6 +18,7 @@ graph, which later calls on it replay (one launch: the host's cost of an eager c
 The kernels are the ones of the torch.distributed path (they take message addresses), so the
 bytes, and the results, are the same bit for bit.
 """
+
 import functools
 import os
 import warnings
@@ -48,10 +49,17 @@ def make_plan(cd, n, me, buf, ptrs, pads):
     one GPU, ranks in one process."""
     W = len(ptrs)
     L, S = shard(cd, n, W)
-    return Plan(S=S, a=buf[:W * S], b=buf[W * S:(W + 1) * S], p=taco_ext.params(cd, L),
-                mine=taco_ext.messages([q + me * S for q in ptrs]),           # every A[me]
-                every=taco_ext.messages([q + W * S for q in ptrs]),           # every B
-                pads=pads, me=me, replays=taco_ext.replays())
+    return Plan(
+        S=S,
+        a=buf[: W * S],
+        b=buf[W * S : (W + 1) * S],
+        p=taco_ext.params(cd, L),
+        mine=taco_ext.messages([q + me * S for q in ptrs]),  # every A[me]
+        every=taco_ext.messages([q + W * S for q in ptrs]),  # every B
+        pads=pads,
+        me=me,
+        replays=taco_ext.replays(),
+    )
 
 
 def workspace(x, group, has_kernels, transport):
@@ -63,7 +71,7 @@ def workspace(x, group, has_kernels, transport):
     if transport == "dist":
         return None
     key = ((group or dist.group.WORLD).group_name, x.device)
-    if has_kernels and key in _WORKSPACES:          # decided on the first call; the checks cost microseconds
+    if has_kernels and key in _WORKSPACES:  # decided on the first call; the checks cost microseconds
         return _WORKSPACES[key]
     why = _why_not(x, group, has_kernels)
     if why is not None:
@@ -130,18 +138,21 @@ class Workspace:
         self.group_name = (group or dist.group.WORLD).group_name
         self.W, self.me = dist.get_world_size(group), dist.get_rank(group)
         self.stream = torch.cuda.Stream(device)
-        self.side = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)   # for the binding
+        self.side = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)  # for the binding
         self.buf, self.hdl, self.ptrs, self.pads, self.retired, self.plans = None, None, [], None, [], {}
 
     def reserve(self, nbytes):
         if self.buf is not None and self.buf.numel() >= nbytes:
             return
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("taco: the symmetric-memory buffer must grow, which cannot be captured in a "
-                               "CUDA graph: run the collective once with the same sizes before capturing")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")   # peer loads/stores only
+            raise RuntimeError(
+                "taco: the symmetric-memory buffer must grow, which cannot be captured in a "
+                "CUDA graph: run the collective once with the same sizes before capturing"
+            )
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # peer loads/stores only
         import torch.distributed._symmetric_memory as symm_mem
-        with warnings.catch_warnings():                  # needed by older torch, a deprecated no-op in newer
+
+        with warnings.catch_warnings():  # needed by older torch, a deprecated no-op in newer
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(self.group_name)
         size = max(nbytes, 2 * (0 if self.buf is None else self.buf.numel()), 1 << 20)
@@ -153,7 +164,7 @@ class Workspace:
         self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
         self.pads = taco_ext.signal_pads([int(p) for p in self.hdl.signal_pad_ptrs])
 
-    @torch.compiler.disable            # streams and raw addresses: run eagerly, also inside torch.compile
+    @torch.compiler.disable  # streams and raw addresses: run eagerly, also inside torch.compile
     def run(self, fn, async_op, then=None):
         """fn() on this workspace's stream, ordered after the caller's stream (the binding's on_side,
         the one way onto it); the caller's stream waits for it now, or at handle.wait() (async_op:
@@ -173,6 +184,7 @@ class Workspace:
             taco_ext.join_stream(self.side)
             if then is not None:
                 then()
+
         return Pending(done)
 
     def sum(self, x, cd, stats, async_op):
@@ -187,14 +199,14 @@ class Workspace:
             handle = self.two_shot(flat, cd, stats, async_op, then)
         return handle if async_op else x
 
-    @torch.compiler.disable            # raw addresses and a callback: run eagerly, also inside torch.compile
+    @torch.compiler.disable  # raw addresses and a callback: run eagerly, also inside torch.compile
     def two_shot(self, flat, cd, stats, async_op, then=None):
         """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode) on this
         workspace's stream: joined now, or with async_op at handle.wait() (run)."""
         plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
         if stats is not None:
             stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_ext.two_shot_peers(flat, plan, self.side, join=not async_op)   # on_side, in the binding
+        taco_ext.two_shot_peers(flat, plan, self.side, join=not async_op)  # on_side, in the binding
         return self._joined(async_op, then)
 
     def _plan(self, n, cd):
@@ -210,7 +222,7 @@ class Workspace:
         memory: flat is copied in, and the sum is written back to flat (one extra copy of the
         tensor, which the compressed path avoids: its encode kernel reads flat and writes A)."""
         n, esize = flat.numel(), flat.element_size()
-        npad = -(-n // (16 // esize)) * (16 // esize)        # the op wants 16-byte multiples: zero padding
+        npad = -(-n // (16 // esize)) * (16 // esize)  # the op wants 16-byte multiples: zero padding
         nbytes = npad * esize
         self.reserve(nbytes)
         op = getattr(torch.ops.symm_mem, "two_shot_all_reduce_out", None)
@@ -222,9 +234,10 @@ class Workspace:
                 buf[n:].zero_()
             if op is not None and npad == n:
                 op(buf, "sum", self.group_name, flat)
-            else:                                            # in place, then copy back
+            else:  # in place, then copy back
                 torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", self.group_name)
                 flat.copy_(buf[:n])
+
         if stats is not None:
             logical = 2 * (self.W - 1) * nbytes / self.W
             stats.add(logical, logical)
@@ -238,9 +251,10 @@ class Workspace:
         out = torch.empty(self.W, L, dtype=torch.float32, device=self.device)
 
         def fn():
-            taco_ext.load().encode(x.contiguous(), M, taco_ext.params(cd, L), self.buf[:M * S])
+            taco_ext.load().encode(x.contiguous(), M, taco_ext.params(cd, L), self.buf[: M * S])
             taco_ext.barrier(self.pads, self.me, 0)
             taco_ext.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
-            taco_ext.barrier(self.pads, self.me, 1)      # nobody rewrites its A before all have read it
+            taco_ext.barrier(self.pads, self.me, 1)  # nobody rewrites its A before all have read it
+
         self.run(fn, async_op=False)
         return out, S

@@ -13,6 +13,7 @@ a codec is chosen only if it beats `none` by more than MARGIN (so `auto` is neve
 uncompressed beyond the timing noise). Without GPUs (gloo), auto is `none`: there is nothing to
 measure that a GPU run would see.
 """
+
 import time
 
 import torch
@@ -20,8 +21,8 @@ import torch.distributed as dist
 
 import taco
 
-MARGIN = 0.03                       # a codec must beat `none` by 3% to be chosen
-CANDIDATES = {8: ("hint8",), 6: ("hint8", "hint6")}     # tp_auto_bits: the codecs auto may choose
+MARGIN = 0.03  # a codec must beat `none` by 3% to be chosen
+CANDIDATES = {8: ("hint8",), 6: ("hint8", "hint6")}  # tp_auto_bits: the codecs auto may choose
 
 
 def decide(times, margin=MARGIN):
@@ -54,23 +55,38 @@ def measure(comm, numel, in_features, dtype, device, codecs, reps=7):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x = torch.randn(numel, dtype=dtype, device=device)
     rows = numel // in_features
-    gy, a = torch.randn(in_features, rows, dtype=dtype, device=device), torch.randn(rows, in_features, dtype=dtype,
-                                                                                    device=device)
+    gy, a = (
+        torch.randn(in_features, rows, dtype=dtype, device=device),
+        torch.randn(rows, in_features, dtype=dtype, device=device),
+    )
     names = ["none", *codecs]
 
     def reduce(codec, async_op=False):
-        return taco.all_reduce(x, group=comm.group, codec=codec, block_size=comm.block_size, chunks=comm.chunks,
-                               async_op=async_op, transport=comm.transport)
+        return taco.all_reduce(
+            x,
+            group=comm.group,
+            codec=codec,
+            block_size=comm.block_size,
+            chunks=comm.chunks,
+            async_op=async_op,
+            transport=comm.transport,
+        )
 
     def overlapped(codec):
         h = reduce(codec, async_op=True)
-        gy @ a                                             # the weight gradient's matmul meanwhile
+        gy @ a  # the weight gradient's matmul meanwhile
         h.wait()
+
     matmul = _seconds(lambda: gy @ a, reps, sync)
-    t = torch.tensor([[_seconds(lambda: reduce(c), reps, sync) for c in names],
-                      [max(0.0, _seconds(lambda: overlapped(c), reps, sync) - matmul) for c in names]],
-                     dtype=torch.float64, device=device)
-    if dist.is_initialized():                 # every rank of the job decides alike
+    t = torch.tensor(
+        [
+            [_seconds(lambda: reduce(c), reps, sync) for c in names],
+            [max(0.0, _seconds(lambda: overlapped(c), reps, sync) - matmul) for c in names],
+        ],
+        dtype=torch.float64,
+        device=device,
+    )
+    if dist.is_initialized():  # every rank of the job decides alike
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {d: dict(zip(names, t[i].tolist())) for i, d in enumerate(("fwd", "bwd"))}
 

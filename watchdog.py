@@ -9,6 +9,7 @@ job ends with: the ranks that did not answer are named, and those on this host s
 whole job ends within timeout + STALL_WAIT s (and the processes' exit) instead of hanging
 (docs/RELIABILITY.md).
 """
+
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-STALL_WAIT = 2.0         # seconds the ranks still running wait for the others to check in
+STALL_WAIT = 2.0  # seconds the ranks still running wait for the others to check in
 
 
 class Stop:
@@ -36,8 +37,11 @@ class Stop:
         if not self.signum:
             self.signum, self.at = signum, time.time()
             if self.master:
-                print(f"\n{signal.Signals(signum).name}: saving a checkpoint set after this step, then stopping "
-                      f"(Ctrl-C again: stop at once, without it)", flush=True)
+                print(
+                    f"\n{signal.Signals(signum).name}: saving a checkpoint set after this step, then stopping "
+                    f"(Ctrl-C again: stop at once, without it)",
+                    flush=True,
+                )
 
     def agreed(self, grid, device):
         """The signal any rank got (0: none), the same on every rank: one small all-reduce."""
@@ -71,7 +75,7 @@ def stop_stalled(grid, wait=STALL_WAIT):
             if not missing:
                 break
             time.sleep(0.1)
-    except Exception:                      # no store to ask (it went down with its host): name nobody
+    except Exception:  # no store to ask (it went down with its host): name nobody
         return [], []
     stopped = [r for r in missing if grid.procs[r][0] == socket.gethostname()]
     for r in stopped:
@@ -86,7 +90,12 @@ def stalled_exit(grid, timeout, e):
     """The SystemExit message after collective error e: who stalled, and who was stopped."""
     stalled, stopped = stop_stalled(grid)
     names = lambda ranks: ", ".join(map(str, ranks)) or "none"
-    who = "another rank died" if not stalled else f"rank {names(stalled)} did not answer" + (
-        " and was stopped" if stopped == stalled else f" (stopped on this host: {names(stopped)})")
-    return (f"rank {grid.rank}: a collective did not complete within timeout={timeout} s: {who} "
-            f"({str(e).splitlines()[0]})")
+    who = (
+        "another rank died"
+        if not stalled
+        else f"rank {names(stalled)} did not answer"
+        + (" and was stopped" if stopped == stalled else f" (stopped on this host: {names(stopped)})")
+    )
+    return (
+        f"rank {grid.rank}: a collective did not complete within timeout={timeout} s: {who} ({str(e).splitlines()[0]})"
+    )

@@ -26,6 +26,6 @@ lr_decay_iters = 2000
 eval_interval = 250
 eval_iters = 8
 log_interval = 10
-tp = 2                          # 1 or 2: the 2 key/value heads split no further
+tp = 2  # 1 or 2: the 2 key/value heads split no further
 tp_codec = "hint8"
 sample_tokens = 0

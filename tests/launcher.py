@@ -11,6 +11,7 @@ launch(script_or_module, argv, world) runs `python train.py argv` (or `python -m
 torchrun launch would: same environment variables, output captured per rank, the process's exit
 code. The tests whose subject is the launch itself (torchrun, signals, two nodes) still use torchrun.
 """
+
 import multiprocessing
 import os
 import runpy
@@ -25,9 +26,19 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "tiktoken", "train", "sample", "lab.emulate",
-           "lab.tahquant", "launcher"]   # torch._dynamo: the ranks that torch.compile (the book imports it lazily)
-GRACE = 3.0     # seconds the other ranks get to finish after one fails (torchrun: it then stops them)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "numpy",
+    "tiktoken",
+    "train",
+    "sample",
+    "lab.emulate",
+    "lab.tahquant",
+    "launcher",
+]  # torch._dynamo: the ranks that torch.compile (the book imports it lazily)
+GRACE = 3.0  # seconds the other ranks get to finish after one fails (torchrun: it then stops them)
 _pool = None
 
 
@@ -43,8 +54,14 @@ def pool():
 def _rank(rank, world, job, folder, env, cwd):
     """One rank: torchrun's environment, output into the folder, the process group, the job."""
     os.environ.clear()
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(
+        env,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
     os.chdir(cwd)
     for fd, name in ((1, "out"), (2, "err")):
         sys.stdout.flush(), sys.stderr.flush()
@@ -54,10 +71,11 @@ def _rank(rank, world, job, folder, env, cwd):
     code = 0
     try:
         if world > 1:
-            dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
-                                    world_size=world)
+            dist.init_process_group(
+                "gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank, world_size=world
+            )
         job(rank, world, folder)
-    except SystemExit as e:                      # as the interpreter ends on it
+    except SystemExit as e:  # as the interpreter ends on it
         if isinstance(e.code, int) or e.code is None:
             code = e.code or 0
         else:
@@ -108,7 +126,7 @@ class _Call:
     def __call__(self, rank, world, folder):
         torch.save(self.fn(rank, world, *self.args), os.path.join(folder, f"rank{rank}.pt"))
         if world > 1:
-            dist.barrier()                # every rank is done with its collectives and its result
+            dist.barrier()  # every rank is done with its collectives and its result
 
 
 def run_ranks(fn, world, *args, backend="gloo", timeout=300):
@@ -121,8 +139,10 @@ def run_ranks(fn, world, *args, backend="gloo", timeout=300):
         codes, late = _start(_Call(fn, args), world, d, timeout)
         if any(codes):
             bad = next(r for r, c in enumerate(codes) if c)
-            raise AssertionError(f"rank {bad} of {world} failed (exit codes {codes}{', timed out' if late else ''}):\n"
-                                 + _read(d, bad, "err")[-4000:])
+            raise AssertionError(
+                f"rank {bad} of {world} failed (exit codes {codes}{', timed out' if late else ''}):\n"
+                + _read(d, bad, "err")[-4000:]
+            )
         if late:
             raise AssertionError(f"{world} ranks did not finish within {timeout} s")
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]
@@ -159,8 +179,9 @@ def launch(entry, argv, world=1, timeout=600, env=None):
 def _entry_nccl(rank, world, fn, args, outdir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank, world_size=world
+    )
     torch.save(fn(rank, world, *args), os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     sys.stdout.flush(), sys.stderr.flush()
@@ -169,6 +190,7 @@ def _entry_nccl(rank, world, fn, args, outdir):
 
 def _run_nccl(fn, world, args):
     import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_entry_nccl, args=(world, fn, args, d), nprocs=world, join=True)
         return [torch.load(os.path.join(d, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -1,5 +1,6 @@
 """The two-shot compressed collectives on gloo: agreement with torch.distributed, bitwise identity
 across ranks, world sizes 2-4, odd sizes, chunking."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,8 +21,11 @@ def _all_reduce(rank, world, n, codec, chunks, dtype):
     return out, ref, stats
 
 
-CASES = [(codec, n, chunks) for codec in ("hint8", "taco", "hint6", "tahquant")
-         for n, chunks in ((1, 1), (1000, 1), (256 * 7 + 3, 3), (12289, 2))]
+CASES = [
+    (codec, n, chunks)
+    for codec in ("hint8", "taco", "hint6", "tahquant")
+    for n, chunks in ((1, 1), (1000, 1), (256 * 7 + 3, 3), (12289, 2))
+]
 
 
 def _all_reduce_cases(rank, world):
@@ -77,7 +81,7 @@ def test_bf16_all_reduce_keeps_dtype_and_halves_the_bytes():
     for out, ref, stats in at(2, "bf16"):
         assert out.dtype == torch.bfloat16
         assert rel_err(out.float(), ref.float()) < 0.02
-        assert 1.9 < stats.ratio < 2.0                  # (256 + 4) bytes per 256 bf16 elements
+        assert 1.9 < stats.ratio < 2.0  # (256 + 4) bytes per 256 bf16 elements
 
 
 def _nonfinite(rank, world):
@@ -89,7 +93,7 @@ def _nonfinite(rank, world):
 
 def _strided(rank, world):
     base = realistic(2 * 3001, seed=rank)
-    x, ref = base[::2], base[::2].clone()                  # a non-contiguous 1-D view, and its copy
+    x, ref = base[::2], base[::2].clone()  # a non-contiguous 1-D view, and its copy
     taco.all_reduce(x, codec="hint8")
     taco.all_reduce(ref, codec="hint8")
     return x, ref, base[1::2], realistic(2 * 3001, seed=rank)[1::2]
@@ -97,7 +101,7 @@ def _strided(rank, world):
 
 def test_non_contiguous_input_is_reduced_in_place_like_its_copy():
     for x, ref, untouched, original in at(2, "strided"):
-        assert torch.equal(x, ref) and torch.equal(untouched, original)   # the other half stays as it was
+        assert torch.equal(x, ref) and torch.equal(untouched, original)  # the other half stays as it was
 
 
 def test_nan_on_one_rank_propagates_to_all():
@@ -125,13 +129,14 @@ def test_reduce_scatter_and_all_gather(codec):
         assert torch.equal(ag, results[0][2])
 
 
-EMULATED = ["taco", "hint6", "hadamard", "tahquant"]       # block, packed, per-message scale, tiles
+EMULATED = ["taco", "hint6", "hadamard", "tahquant"]  # block, packed, per-message scale, tiles
 
 
 def _emulation(rank, world):
     partials = [realistic(3001, seed=r) for r in range(world)]
-    return [(taco.all_reduce(partials[rank].clone(), codec=c), emulated_all_reduce(partials, codec=c))
-            for c in EMULATED]
+    return [
+        (taco.all_reduce(partials[rank].clone(), codec=c), emulated_all_reduce(partials, codec=c)) for c in EMULATED
+    ]
 
 
 def test_single_process_emulation_is_bitwise_the_real_collective():
@@ -142,10 +147,12 @@ def test_single_process_emulation_is_bitwise_the_real_collective():
 
 def _mismatched(rank, world):
     """Each case: what every rank passes (codec, block size, elements, dtype); one rank differs."""
-    cases = [[("hint8", 256, 1000, torch.float32), ("taco", 256, 1000, torch.float32)],
-             [("hint8", 256, 1000, torch.float32), ("hint8", 128, 1000, torch.float32)],
-             [("hint8", 256, 1000, torch.float32), ("hint8", 256, 1010, torch.float32)],   # pad to one length
-             [("hint8", 256, 1000, torch.float32), ("hint8", 256, 1000, torch.bfloat16)]]
+    cases = [
+        [("hint8", 256, 1000, torch.float32), ("taco", 256, 1000, torch.float32)],
+        [("hint8", 256, 1000, torch.float32), ("hint8", 128, 1000, torch.float32)],
+        [("hint8", 256, 1000, torch.float32), ("hint8", 256, 1010, torch.float32)],  # pad to one length
+        [("hint8", 256, 1000, torch.float32), ("hint8", 256, 1000, torch.bfloat16)],
+    ]
     if world == 3:
         cases = [[("hint8", 256, 1000, torch.float32)] * 2 + [("hint8", 256, 1100, torch.float32)]]
     out = []
@@ -164,8 +171,9 @@ def test_ranks_that_disagree_are_told_so(world):
     """Different codecs, block sizes, element counts (1000 and 1010 elements pad to the same message
     length, so the bytes alone would sum silently) or dtypes: every rank raises, naming what each passed."""
     for msgs in run_ranks(_mismatched, world):
-        assert all("the ranks of a group pass different codecs, block sizes, element counts or dtypes" in m
-                   for m in msgs), msgs
+        assert all(
+            "the ranks of a group pass different codecs, block sizes, element counts or dtypes" in m for m in msgs
+        ), msgs
     if world == 2:
         assert "rank 0: 'hint8', B=256, 1000 x torch.float32; rank 1: 'hint8', B=256, 1010 x torch.float32" in msgs[2]
     else:

@@ -1,6 +1,7 @@
 """What a user touches: the settings (--help, config files, errors), weights in and out
 (init_from, sample.py generate/export, checkpoints merged across layouts), data preparation,
 a two-node launch, and the run's files (log.jsonl, out_dir)."""
+
 import ast
 import json
 import os
@@ -27,6 +28,7 @@ MC = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
 
 
 # --- settings --------------------------------------------------------------------------------
+
 
 def test_help_lists_every_setting_with_its_default_and_comment():
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -63,15 +65,26 @@ def test_a_tp_group_must_sit_inside_one_node():
     c = config.parse(train.DEFAULTS, ["--tp=4"])
     with pytest.raises(config.ConfigError, match="a TP group must sit inside one node"):
         config.check(c, 8, local_world=2)
-    assert config.check(config.parse(train.DEFAULTS, ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2",
-                                                      "--eval_iters=2"]), 8, local_world=2) == 2
+    assert (
+        config.check(
+            config.parse(train.DEFAULTS, ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--eval_iters=2"]),
+            8,
+            local_world=2,
+        )
+        == 2
+    )
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "holds 0 tokens"), (b"\x01\x02\x03", "not a whole number of uint16 tokens"), (b"\x01\x00" * 10, "holds 10 tokens"),
-    (b"\xff\xff" * 100, "token id 65535, outside the model's vocabulary of 50257"),
-    (None, "is not a file of tokens (a folder?)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "holds 0 tokens"),
+        (b"\x01\x02\x03", "not a whole number of uint16 tokens"),
+        (b"\x01\x00" * 10, "holds 10 tokens"),
+        (b"\xff\xff" * 100, "token id 65535, outside the model's vocabulary of 50257"),
+        (None, "is not a file of tokens (a folder?)"),
+    ],
+)
 def test_bad_data_files_are_refused_naming_the_file(tmp_path, content, message):
     d = tmp_path / "bad"
     d.mkdir()
@@ -88,19 +101,28 @@ def test_bad_data_files_are_refused_naming_the_file(tmp_path, content, message):
 
 # --- weights in and out ------------------------------------------------------------------------
 
+
 def _hf_weights(seed=0):
     """A random GPT-2-layout state dict (the real vocabulary) with the TINY model's shapes."""
     g = torch.Generator().manual_seed(seed)
     C, L = MC["n_embd"], MC["n_layer"]
     r = lambda *s: torch.randn(*s, generator=g) * 0.1
-    sd = {"transformer.wte.weight": r(50257, C), "transformer.wpe.weight": r(MC["block_size"], C),
-          "transformer.ln_f.weight": 1 + r(C), "transformer.ln_f.bias": r(C)}
+    sd = {
+        "transformer.wte.weight": r(50257, C),
+        "transformer.wpe.weight": r(MC["block_size"], C),
+        "transformer.ln_f.weight": 1 + r(C),
+        "transformer.ln_f.bias": r(C),
+    }
     for i in range(L):
         p = f"transformer.h.{i}."
         for ln in ("ln_1", "ln_2"):
             sd[p + ln + ".weight"], sd[p + ln + ".bias"] = 1 + r(C), r(C)
-        for name, (i_, o) in {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, 4 * C),
-                              "mlp.c_proj": (4 * C, C)}.items():
+        for name, (i_, o) in {
+            "attn.c_attn": (C, 3 * C),
+            "attn.c_proj": (C, C),
+            "mlp.c_fc": (C, 4 * C),
+            "mlp.c_proj": (4 * C, C),
+        }.items():
             sd[p + name + ".weight"], sd[p + name + ".bias"] = r(i_, o), r(o)
     return sd
 
@@ -125,11 +147,25 @@ def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
     src.mkdir()
     torch.save(sd, src / "pytorch_model.bin")
     json.dump(checkpoint.hf_config(GPTConfig(vocab_size=50257, **MC)), open(src / "config.json", "w"))
-    run(TINY + ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=1", "--eval_interval=0",
-                "--learning_rate=0", "--min_lr=0", "--weight_decay=0", f"--init_from={src}", f"--out_dir={out}"],
-        nproc=4)
-    subprocess.run([sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True,
-                   capture_output=True)
+    run(
+        TINY
+        + [
+            "--tp=2",
+            "--pp=2",
+            "--gradient_accumulation_steps=2",
+            "--max_iters=1",
+            "--eval_interval=0",
+            "--learning_rate=0",
+            "--min_lr=0",
+            "--weight_decay=0",
+            f"--init_from={src}",
+            f"--out_dir={out}",
+        ],
+        nproc=4,
+    )
+    subprocess.run(
+        [sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True, capture_output=True
+    )
     back = load_file(str(exported / "model.safetensors"))
     assert set(back) == set(sd)
     for k in sd:
@@ -140,6 +176,7 @@ def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
 def _tiny_vocab_data(folder, vocab, n=4000):
     """train.bin / val.bin of random ids below `vocab` (a fixture model's small vocabulary)."""
     import numpy as np
+
     os.makedirs(folder, exist_ok=True)
     ids = np.random.default_rng(0).integers(0, vocab, n).astype(np.uint16)
     for split in ("train", "val"):
@@ -156,16 +193,36 @@ def test_qwen2_init_from_at_tp2_pp2_and_export_round_trip(tmp_path, name):
     _tiny_vocab_data(str(tmp_path / "data" / "tiny"), 300)
     out, exported = tmp_path / "run", tmp_path / "exported"
     shape = {"untied": ["--n_head=4", "--n_kv_head=2", "--tie_embeddings=False"], "tied": ["--n_head=4"]}[name]
-    p = run(TINY + shape + ["--arch=qwen2", "--vocab_size=300", "--intermediate_size=48", "--norm_eps=1e-6",
-                            "--rope_theta=1000.0", f"--data_dir={tmp_path / 'data'}", "--dataset=tiny", "--tp=2",
-                            "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=1", "--eval_interval=0",
-                            "--learning_rate=0", "--min_lr=0", "--weight_decay=0", f"--init_from={src}",
-                            f"--out_dir={out}"], nproc=4)
+    p = run(
+        TINY
+        + shape
+        + [
+            "--arch=qwen2",
+            "--vocab_size=300",
+            "--intermediate_size=48",
+            "--norm_eps=1e-6",
+            "--rope_theta=1000.0",
+            f"--data_dir={tmp_path / 'data'}",
+            "--dataset=tiny",
+            "--tp=2",
+            "--pp=2",
+            "--gradient_accumulation_steps=2",
+            "--max_iters=1",
+            "--eval_interval=0",
+            "--learning_rate=0",
+            "--min_lr=0",
+            "--weight_decay=0",
+            f"--init_from={src}",
+            f"--out_dir={out}",
+        ],
+        nproc=4,
+    )
     assert f"init_from: {src} (qwen2," in p.stdout
-    subprocess.run([sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True, capture_output=True
+    )
     back, read = load_file(str(exported / "model.safetensors")), checkpoint.hf_read(src)
-    assert len(back) == 2 + 12 * 2 + (name == "untied")         # embed, norm, 12 per block, the untied head
+    assert len(back) == 2 + 12 * 2 + (name == "untied")  # embed, norm, 12 per block, the untied head
     for k, v in back.items():
         assert torch.equal(v, read(k)), k
 
@@ -175,13 +232,16 @@ def _tp2_greedy(rank, world, folder):
     model = GPT(mc, comm_for(rank, world), seed=5).eval()
     os.makedirs(folder, exist_ok=True)
     cfg = dict(train.DEFAULTS, **MC, tp=2)
-    sha = checkpoint.write_file({"model": model.state_dict(), "config": cfg, "iter": 1, "layout": [2, 1],
-                                 "run_id": "test"}, os.path.join(folder, f"tp{rank}_pp0.pt"))
+    sha = checkpoint.write_file(
+        {"model": model.state_dict(), "config": cfg, "iter": 1, "layout": [2, 1], "run_id": "test"},
+        os.path.join(folder, f"tp{rank}_pp0.pt"),
+    )
     every = [None] * world
     dist.all_gather_object(every, (f"tp{rank}_pp0.pt", sha))
     if rank == 0:
-        checkpoint.mark_complete(folder, {"iter": 1, "tp": 2, "pp": 1, "dp": 1, "zero1": False, "run_id": "test",
-                                          "files": dict(every)})
+        checkpoint.mark_complete(
+            folder, {"iter": 1, "tp": 2, "pp": 1, "dp": 1, "zero1": False, "run_id": "test", "files": dict(every)}
+        )
     idx = torch.tensor([[464, 3290, 318]])
     return generate(model, idx, 12, top_k=1, generator=torch.Generator().manual_seed(0))
 
@@ -190,15 +250,17 @@ def test_tp2_checkpoint_merged_gives_the_same_greedy_tokens(tmp_path):
     folder = str(tmp_path / "ckpt" / "iter_00000001")
     tp_tokens = run_ranks(_tp2_greedy, 2, folder)[0]
     import sample
+
     merged = sample.load(str(tmp_path))
     ones = generate(merged, torch.tensor([[464, 3290, 318]]), 12, top_k=1, generator=torch.Generator().manual_seed(0))
     assert torch.equal(ones, tp_tokens)
-    ref = GPT(GPTConfig(vocab_size=50257, **MC), seed=5)             # the same init at TP=1
+    ref = GPT(GPTConfig(vocab_size=50257, **MC), seed=5)  # the same init at TP=1
     for k, v in ref.state_dict().items():
         assert torch.equal(merged.state_dict()[k], v), k
 
 
 # --- data ---------------------------------------------------------------------------------------
+
 
 def test_prepare_with_qwen2_tokenizer_writes_uint32_that_training_reads(tmp_path):
     """--tokenizer=qwen2: uint32 ids (Qwen2's ids pass 65535), meta.json says so, the loader and the
@@ -207,19 +269,36 @@ def test_prepare_with_qwen2_tokenizer_writes_uint32_that_training_reads(tmp_path
     texts.mkdir()
     for i in range(3):
         (texts / f"d{i}.txt").write_text(f"Document {i}: 你好，世界. " * 30)
-    subprocess.run([sys.executable, "data/prepare.py", "q", "--files", str(texts), "--val_fraction=0.34",
-                    "--tokenizer=qwen2", f"--out_root={tmp_path}"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "data/prepare.py",
+            "q",
+            "--files",
+            str(texts),
+            "--val_fraction=0.34",
+            "--tokenizer=qwen2",
+            f"--out_root={tmp_path}",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     import numpy as np
+
     from data.loader import Batches
     from data.tokenizer import get_encoding
+
     meta = json.load(open(tmp_path / "q" / "meta.json"))
     assert (meta["tokenizer"], meta["dtype"], meta["vocab_size"]) == ("qwen2", "uint32", 151646)
     val = np.fromfile(tmp_path / "q" / "val.bin", dtype=np.uint32)
     assert val.max() > 65535 and get_encoding("qwen2").decode(val.tolist()).startswith("Document 2: 你好")
     x, y = Batches(str(tmp_path / "q"), 8, 2, 0, 0, "cpu").get("val", 0)
     assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 151646
-    c = config.parse(train.DEFAULTS, [f"--data_dir={tmp_path}", "--dataset=q", "--block_size=8",
-                                      "--arch=qwen2", "--vocab_size=151936"])
+    c = config.parse(
+        train.DEFAULTS,
+        [f"--data_dir={tmp_path}", "--dataset=q", "--block_size=8", "--arch=qwen2", "--vocab_size=151936"],
+    )
     config.check(c, 1)
     with pytest.raises(config.ConfigError, match="outside the model's vocabulary of 50257: set --vocab_size"):
         config.check(dict(c, vocab_size=50257), 1)
@@ -230,12 +309,26 @@ def test_prepare_text_files_and_folders(tmp_path):
     texts.mkdir()
     for i in range(4):
         (texts / f"d{i}.txt").write_text(f"Document number {i}. " * 20)
-    subprocess.run([sys.executable, "data/prepare.py", "mine", "--files", str(texts), "--val_fraction=0.25",
-                    f"--out_root={tmp_path}"], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "data/prepare.py",
+            "mine",
+            "--files",
+            str(texts),
+            "--val_fraction=0.25",
+            f"--out_root={tmp_path}",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     meta = json.load(open(tmp_path / "mine" / "meta.json"))
     assert len(meta["train"]["documents"]) == 3 and meta["val"]["documents"] == [str(texts / "d3.txt")]
-    from data.tokenizer import get_encoding
     import numpy as np
+
+    from data.tokenizer import get_encoding
+
     val = np.fromfile(tmp_path / "mine" / "val.bin", dtype=np.uint16).tolist()
     assert get_encoding().decode(val) == "Document number 3. " * 19 + "Document number 3.<|endoftext|>"
 
@@ -244,6 +337,7 @@ def test_prepare_holds_out_text_even_from_few_files_and_leaves_nothing_when_it_f
     """Three files at the default 1%: no whole document is 1%, so the last one's tail is held out (never
     an empty val.bin). A prepare that fails (a binary file among the texts) leaves no folder behind."""
     from data import prepare
+
     texts = tmp_path / "texts"
     texts.mkdir()
     for i in range(3):
@@ -252,7 +346,7 @@ def test_prepare_holds_out_text_even_from_few_files_and_leaves_nothing_when_it_f
     meta = json.load(open(tmp_path / "mine" / "meta.json"))
     assert meta["val"]["documents"] == [str(texts / "d2.txt") + " (end)"] and meta["val"]["tokens"] > 0
     assert meta["train"]["documents"] == [str(texts / f"d{i}.txt") for i in range(3)]
-    (texts / "a_blob.txt").write_bytes(b"ELF\0" * 10)              # the first document: read while writing
+    (texts / "a_blob.txt").write_bytes(b"ELF\0" * 10)  # the first document: read while writing
     with pytest.raises(SystemExit, match="a binary file"):
         prepare.main(["other", "--files", str(texts), f"--out_root={tmp_path}"])
     assert not (tmp_path / "other").exists() and not (tmp_path / "other.partial").exists()
@@ -260,6 +354,7 @@ def test_prepare_holds_out_text_even_from_few_files_and_leaves_nothing_when_it_f
 
 def test_prepare_refuses_what_is_not_text_and_warns_on_what_is_not_utf8(tmp_path, capsys):
     from data import prepare
+
     with pytest.raises(SystemExit, match=f"{tmp_path / 'gone.txt'}: no such file or folder"):
         prepare.main(["mine", "--files", str(tmp_path / "gone.txt"), f"--out_root={tmp_path}"])
     (tmp_path / "blob.txt").write_bytes(b"ELF\0\1\2" * 50)
@@ -281,27 +376,55 @@ def test_prepare_a_local_hugging_face_dataset(tmp_path):
         for i in range(100):
             f.write(json.dumps({"body": f"Text {i}. " * (1 + i % 5), "id": i}) + "\n")
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
-    subprocess.run([sys.executable, "data/prepare.py", "loc", "--hf", str(src), "--text_field=body",
-                    "--val_fraction=0.1", "--num_proc=2", f"--out_root={tmp_path}"], cwd=ROOT, check=True,
-                   capture_output=True, env=env)
+    subprocess.run(
+        [
+            sys.executable,
+            "data/prepare.py",
+            "loc",
+            "--hf",
+            str(src),
+            "--text_field=body",
+            "--val_fraction=0.1",
+            "--num_proc=2",
+            f"--out_root={tmp_path}",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        env=env,
+    )
     meta = json.load(open(tmp_path / "loc" / "meta.json"))
     assert (meta["train"]["documents"], meta["val"]["documents"]) == (90, 10)
-    from data.tokenizer import EOT
     import numpy as np
+
+    from data.tokenizer import EOT
+
     ids = np.concatenate([np.fromfile(tmp_path / "loc" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
     assert (ids == EOT).sum() == 100 and len(ids) == meta["train"]["tokens"] + meta["val"]["tokens"]
 
 
 def test_train_finds_its_data_from_any_working_directory(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *TINY, "--max_iters=1", "--eval_interval=0",
-                        f"--out_dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            *TINY,
+            "--max_iters=1",
+            "--eval_interval=0",
+            f"--out_dir={tmp_path / 'out'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(ln) for ln in open(tmp_path / "out" / "log.jsonl")]
-    assert rows[0]["config"]["max_iters"] == 1 and rows[1]["iter"] == 1      # the resolved config comes first
-    assert "\r" not in p.stderr                                             # no progress bar in a redirected log
+    assert rows[0]["config"]["max_iters"] == 1 and rows[1]["iter"] == 1  # the resolved config comes first
+    assert "\r" not in p.stderr  # no progress bar in a redirected log
 
 
 # --- two nodes on one machine -------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_two_node_launch_tp_inside_pp_across(tmp_path):
@@ -311,12 +434,36 @@ def test_two_node_launch_tp_inside_pp_across(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
-                               "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}", "train.py",
-                               *TINY, "--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--max_iters=3",
-                               "--eval_interval=0", "--tp_codec=hint8", "--taco_min_bytes=0",
-                               f"--out_dir={tmp_path}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={n}",
+                "--nproc_per_node=2",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "train.py",
+                *TINY,
+                "--tp=2",
+                "--pp=2",
+                "--gradient_accumulation_steps=2",
+                "--max_iters=3",
+                "--eval_interval=0",
+                "--tp_codec=hint8",
+                "--taco_min_bytes=0",
+                f"--out_dir={tmp_path}",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
     assert "grid: world 4 = dp 1 x pp 2 x tp 2" in outs[0]
@@ -330,24 +477,27 @@ def test_kernel_watch_loop_reruns_in_a_fresh_child_at_every_save(tmp_path):
     reported and the loop going on."""
     import threading
     import time
+
     from test_kernels import watch
+
     src, log = tmp_path / "k.cu", tmp_path / "rounds.txt"
     src.write_text("v0")
     state = {"in_parent": 0}
 
     def run(names):
-        state["in_parent"] += 1                        # lands in the child's copy only
+        state["in_parent"] += 1  # lands in the child's copy only
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {src.read_text()} {names}\n")
-        return 0 if src.read_text() != "v1" else 2     # the edit "v1" breaks a test
+        return 0 if src.read_text() != "v1" else 2  # the edit "v1" breaks a test
 
     def edit():
-        for v in ("v1", "v2"):                             # each save whole (a new file put in place)
+        for v in ("v1", "v2"):  # each save whole (a new file put in place)
             time.sleep(1.0)
             tmp = tmp_path / "k.cu.new"
             tmp.write_text(v)
-            os.utime(tmp, ns=(time.time_ns(), time.time_ns() + 10 ** 9 * int(v[1])))   # a new mtime each save
+            os.utime(tmp, ns=(time.time_ns(), time.time_ns() + 10**9 * int(v[1])))  # a new mtime each save
             os.replace(tmp, src)
+
     t = threading.Thread(target=edit)
     t.start()
     watch(["strided"], run=run, sources=[str(src)], poll=0.02, rounds=3)
@@ -378,8 +528,11 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
     nproc, args, shown = _readme_demo()
     p = run(args + [f"--max_iters={steps}", f"--out_dir={tmp_path}", "--sample_tokens=0"], nproc=nproc)
     printed = p.stdout.splitlines()
-    expect = [ln for ln in shown.splitlines() if ln.startswith(("grid:", "model:", "step"))
-              and (not ln.startswith("step") or int(ln.split()[1]) <= steps)]
+    expect = [
+        ln
+        for ln in shown.splitlines()
+        if ln.startswith(("grid:", "model:", "step")) and (not ln.startswith("step") or int(ln.split()[1]) <= steps)
+    ]
     assert len(expect) >= (3 if steps == 10 else 5)
     for line in _numbers(expect):
         assert line in _numbers(printed), (line, [ln for ln in printed if ln.startswith(line[:12])])
@@ -389,7 +542,9 @@ def test_the_kernel_loop_imports_no_more_than_it_needs():
     """The kernel edit -> rerun loop's process imports taco, which does not pull in torch._dynamo
     (about 1.5 s; only the symmetric-memory transport and torch.compile need it); and
     taco.load_kernels builds nothing for a CPU device."""
-    code = ("import sys, torch, taco, taco_ext; taco.load_kernels(['hint8'], 256, torch.device('cpu')); "
-            "print('torch._dynamo' in sys.modules, taco_ext._EXT is None)")
+    code = (
+        "import sys, torch, taco, taco_ext; taco.load_kernels(['hint8'], 256, torch.device('cpu')); "
+        "print('torch._dynamo' in sys.modules, taco_ext._EXT is None)"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stdout + r.stderr

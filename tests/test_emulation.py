@@ -1,4 +1,5 @@
 """lab/emulate.py: one process reproduces a real TP=t run's compressed all-reduces."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,11 +18,12 @@ def _real_tp_all_reduces(rank, world, codec, cfg=CFG):
     log = []
     orig = taco.all_reduce
 
-    def recording(x, *args, async_op=False, **kw):                # the async one run blocking: same bits
+    def recording(x, *args, async_op=False, **kw):  # the async one run blocking: same bits
         before = x.clone()
         orig(x, *args, **kw)
         log.append((kw["codec"], before, x.clone()))
         return taco.Pending(None) if async_op else x
+
     taco.all_reduce = recording
     comm = parallel.TPComm(group=dist.group.WORLD, size=world, rank=rank, fwd_codec=codec, bwd_codec=codec)
     _train_steps(GPT(cfg, comm, seed=3), steps=1)
@@ -35,6 +37,7 @@ def _emulated_all_reduces(t, codec, monkeypatch, cfg=CFG):
         out = emulated_all_reduce(partials, **kw)
         log.append((kw["codec"], list(partials), out))
         return out
+
     monkeypatch.setattr(lab.emulate, "emulated_all_reduce", recording)
     comm = parallel.TPComm(fwd_codec=codec, bwd_codec=codec)
     _train_steps(emulate_tp(GPT(cfg, comm, seed=3), t, comm), steps=1)
@@ -61,20 +64,20 @@ def test_emulation_makes_the_real_runs_all_reduces(t, cfg, monkeypatch):
     bounds are those of the backward (1e-6, then 1e-2 once a code may have rounded the other way)."""
     real = run_ranks(_real_tp_all_reduces, t, "hint8", cfg)
     emu = _emulated_all_reduces(t, "hint8", monkeypatch, cfg)
-    n_fwd = 1 + 2 * cfg.n_layer                                    # the embedding, attention and MLP outputs
+    n_fwd = 1 + 2 * cfg.n_layer  # the embedding, attention and MLP outputs
     assert len(emu) == len(real[0]) == 2 * n_fwd
     for i, (codec, partials, out) in enumerate(emu):
         assert [r[i][0] for r in real] == [codec] * t == ["hint8"] * t, i
         inputs = [r[i][1] for r in real]
         assert [p.shape for p in partials] == [x.shape for x in inputs], i
         bound = 0 if i < n_fwd else 1e-6 if i == n_fwd else 1e-2
-        if cfg.arch == "qwen2" and i >= 2:     # from the first SwiGLU on: silu of a (B, T, I/t) slice and of the
-            bound = max(bound, 1e-6 if i == 2 else 1e-2)   # whole (B, T, I) may round an ulp apart (vector body vs tail)
+        if cfg.arch == "qwen2" and i >= 2:  # from the first SwiGLU on: silu of a (B, T, I/t) slice and of the
+            bound = max(bound, 1e-6 if i == 2 else 1e-2)  # whole (B, T, I) may round an ulp apart (vector body vs tail)
         for p, x in zip(partials, inputs):
             assert (p - x).norm() <= bound * x.norm(), (i, ((p - x).norm() / x.norm()).item())
         reduced = emulated_all_reduce(inputs, codec=codec)
         assert all(torch.equal(reduced, r[i][2]) for r in real), i
-        assert not torch.equal(reduced, taco.rank_order_sum(inputs)), i          # the codec did act
+        assert not torch.equal(reduced, taco.rank_order_sum(inputs)), i  # the codec did act
 
 
 def test_uncompressed_emulation_equals_single_rank():
@@ -89,6 +92,7 @@ def test_sites_narrow_the_compression():
     site alone differs from both; the gradient effects of the sites add up roughly to the whole
     (not exactly: the errors interact); `site=codec` is that codec at that site only, as the book's
     TPComm.site_codecs (train.py's tp_codec_attn) makes it."""
+
     def grads(codec, sites):
         comm = parallel.TPComm(fwd_codec=codec, bwd_codec=codec)
         model = emulate_tp(GPT(CFG, comm, seed=3), 4, comm, None if sites is None else parse_sites(sites))
@@ -101,10 +105,12 @@ def test_sites_narrow_the_compression():
     assert all(e > 0 for e in effect.values()), effect
     assert 0.5 < sum(effect.values()) / sq(every, plain) < 2, effect
     assert sq(grads("hint8", "attn=hint6,mlp,ends"), grads("hint8", "attn,mlp,ends")) > 0
-    assert sq(grads("none", "attn=hint6"), plain) == 0           # off where the run does not compress
-    book = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8", site_codecs={"attn": "hint6"})   # tp_codec_attn
-    assert sq(_train_steps(emulate_tp(GPT(CFG, book, seed=3), 4, book), steps=1)[1],
-              grads("hint8", "attn=hint6,mlp,ends")) == 0
+    assert sq(grads("none", "attn=hint6"), plain) == 0  # off where the run does not compress
+    book = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8", site_codecs={"attn": "hint6"})  # tp_codec_attn
+    assert (
+        sq(_train_steps(emulate_tp(GPT(CFG, book, seed=3), 4, book), steps=1)[1], grads("hint8", "attn=hint6,mlp,ends"))
+        == 0
+    )
     with pytest.raises(SystemExit, match="unknown site 'mpl'"):
         parse_sites("mpl")
     assert [site_of(n) for n in ("h.0.attn.qkv", "h.5.mlp.proj", "wte", "lm_head")] == ["attn", "mlp", "ends", "ends"]
@@ -114,6 +120,7 @@ def _graph_or_eager_steps(graph, steps=6):
     """Losses, and the first step's gradients, of a small emulated model (bf16 autocast, hint8 on every
     all-reduce, TP=4 emulated, a new batch every step, AdamW and gradient clipping as train.py does)."""
     from lab.emulate import capture
+
     cfg = GPTConfig(block_size=64, vocab_size=500, n_layer=2, n_head=4, n_embd=256, bias=True)
     comm = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8")
     model = emulate_tp(GPT(cfg, comm, seed=3).cuda(), 4, comm)
@@ -146,7 +153,7 @@ def test_graph_replay_matches_eager():
     assert graph[0] == eager[0]
     for n, g in eg.items():
         if n.endswith("bias"):
-            assert (gg[n] - g).abs().max() <= g.abs().max() * 2.0 ** -7, n
+            assert (gg[n] - g).abs().max() <= g.abs().max() * 2.0**-7, n
         else:
             assert torch.equal(gg[n], g), n
     assert all(abs(a - b) <= 3e-4 * abs(a) for a, b in zip(eager, graph))
@@ -156,6 +163,7 @@ def test_emulation_refuses_key_value_heads_it_cannot_split():
     """Qwen2's grouped-query heads: TP=4 emulated needs n_kv_head divisible by 4, as real TP=4 does."""
     import config
     import train
+
     cfg = config.parse(train.DEFAULTS, ["configs/study_qwen.py", "--n_kv_head=2", "--n_head=28"])
     with pytest.raises(SystemExit, match="n_kv_head=2 is not divisible by tp=4"):
         lab.emulate.check(cfg, 4)

@@ -3,10 +3,11 @@
 The reference is run twice: on the CPU, and on the GPU (torch's own CUDA ops); the kernel must give
 the same bytes as both. Decoded values are compared bitwise too (NaN positions must match; NaN
 payload bits are not compared)."""
+
 import os
 import time
 
-if __name__ == "__main__":          # --watch forks CUDA-free: ask NVML, not the CUDA driver, whether a GPU is there
+if __name__ == "__main__":  # --watch forks CUDA-free: ask NVML, not the CUDA driver, whether a GPU is there
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest
@@ -29,23 +30,23 @@ def kernels():
 def inputs(n, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * 0.02 + torch.randn(n, generator=g).pow(3) * 0.01
-    x[torch.randint(0, n, (max(1, n // 300),), generator=g)] *= 50.0            # outliers
+    x[torch.randint(0, n, (max(1, n // 300),), generator=g)] *= 50.0  # outliers
     if n > 2000:
-        x[256:512] = 0.0                                                       # an all-zero block
-        x[512:768] = torch.randn(256, generator=g) * 1e-30                     # a tiny block (fp32 only)
+        x[256:512] = 0.0  # an all-zero block
+        x[512:768] = torch.randn(256, generator=g) * 1e-30  # a tiny block (fp32 only)
         x[1000] = float("nan")
         x[1300] = float("inf")
         x[1600] = float("-inf")
         x[1900:1910] *= 1e4
-        x[2048:2304] = torch.randn(256, generator=g) * 1e35                    # huge: scales past 2^100 (inf in fp16)
-        x[2304:2560] = torch.randn(256, generator=g) * 1e37                    # the transform overflows
+        x[2048:2304] = torch.randn(256, generator=g) * 1e35  # huge: scales past 2^100 (inf in fp16)
+        x[2304:2560] = torch.randn(256, generator=g) * 1e37  # the transform overflows
     if n > 4000:
         x[2560:2816] = 0.0
-        x[2600] = 1e-36                                                        # zeros and one tiny value
-        x[2816:3072] = 3e37                                                    # one sign, huge: H(x) > fp32 max
+        x[2600] = 1e-36  # zeros and one tiny value
+        x[2816:3072] = 3e37  # one sign, huge: H(x) > fp32 max
         x[3072:3328] *= 1e-3
-        x[3100] = 3e37                                                         # one huge value among small ones
-        x[3328:3584] = 65000.0 + torch.randn(256, generator=g)                # near fp16's max
+        x[3100] = 3e37  # one huge value among small ones
+        x[3328:3584] = 65000.0 + torch.randn(256, generator=g)  # near fp16's max
     return x.to(dtype)
 
 
@@ -72,7 +73,7 @@ def test_encode_decode_bit_exact(name, dtype):
             assert torch.equal(ker.cpu(), ref_cpu), (name, dtype, n, M, (ker.cpu() != ref_cpu).nonzero()[:5])
             assert torch.equal(ref_gpu.cpu(), ref_cpu), (name, dtype, n, M, "torch CPU vs torch CUDA")
             for odt in DTYPES:
-                dec_ref = cd.decode(ref_cpu, L, n, odt)                           # the reference (CPU)
+                dec_ref = cd.decode(ref_cpu, L, n, odt)  # the reference (CPU)
                 dec_ker = cd.decode(ker, L, n, odt)
                 assert same_values(dec_ker.cpu(), dec_ref), (name, dtype, odt, n, M)
 
@@ -83,11 +84,11 @@ def test_reduce_encode_bit_exact(name, P):
     cd = taco.get_codec(name)
     L = 256 * 129
     msgs = torch.stack([cd._encode_ref(inputs(L, torch.float32, 10 + r), 1, L)[0] for r in range(P)])
-    ref = cd.reduce_encode(msgs, L)                       # CPU tensors: the reference
+    ref = cd.reduce_encode(msgs, L)  # CPU tensors: the reference
     ker = cd.reduce_encode(msgs.cuda(), L)
     assert torch.equal(ker.cpu(), ref)
     odd = torch.empty(msgs.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(msgs.shape)
-    odd.copy_(msgs)                                       # messages not 16-byte aligned: not staged
+    odd.copy_(msgs)  # messages not 16-byte aligned: not staged
     assert torch.equal(cd.reduce_encode(odd, L).cpu(), ref)
 
 
@@ -96,7 +97,7 @@ def test_grid_stride_loops_bit_exact(name, monkeypatch):
     """More blocks than one pass of each capped grid covers, so that every warp loops over groups,
     loading the next while it computes this one; the reference is torch's, on the GPU."""
     cd = taco.get_codec(name)
-    n = 12 * 2 ** 20 + 5
+    n = 12 * 2**20 + 5
     L = cd.padded(n)
 
     def reference(f):
@@ -109,12 +110,12 @@ def test_grid_stride_loops_bit_exact(name, monkeypatch):
     msgs = []
     for dtype in (torch.bfloat16, torch.float32):
         x = inputs(n + 1, dtype, 11).cuda()
-        for xs in (x[:n], x[1:]):                         # from an aligned and an unaligned start
+        for xs in (x[:n], x[1:]):  # from an aligned and an unaligned start
             ker = cd.encode(xs, 1, L)
             assert torch.equal(ker, reference(lambda: cd.encode(xs, 1, L))), (dtype, xs.data_ptr() % 16)
             assert same_values(cd.decode(ker, L, n, dtype), reference(lambda: cd.decode(ker, L, n, dtype)))
             msgs.append(ker[0])
-    for P in (2, 8):                                      # 8: the most shared memory the reduce step takes
+    for P in (2, 8):  # 8: the most shared memory the reduce step takes
         m = torch.stack((msgs * 2)[:P])
         assert torch.equal(cd.reduce_encode(m, L), reference(lambda: cd.reduce_encode(m, L))), P
 
@@ -144,6 +145,7 @@ def test_first_launches_inside_a_cuda_graph_capture():
     fresh process, so that nothing was launched before."""
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_IN_A_GRAPH], cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -158,21 +160,21 @@ def test_decode_saturates_like_the_reference():
         L, nb = 4096, 16
         buf = cd._encode_ref(inputs(L, torch.float32, 7) * 10, 1, L)
         pay = nb * 256 * cd.bits // 8
-        meta = buf[0, pay:pay + nb * cd.nmeta * 4].view(torch.float32).view(nb, cd.nmeta)
-        meta[:8, 0] = 2e-38                                   # 1/alpha = 5e37: |y| > 6.8 overflows
-        meta[8:12, 0] = 1e-41                                 # 1/alpha = Inf
+        meta = buf[0, pay : pay + nb * cd.nmeta * 4].view(torch.float32).view(nb, cd.nmeta)
+        meta[:8, 0] = 2e-38  # 1/alpha = 5e37: |y| > 6.8 overflows
+        meta[8:12, 0] = 1e-41  # 1/alpha = Inf
         for odt in DTYPES:
             ref = cd.decode(buf, L, L, odt)
             assert torch.isinf(cd._decode_ref(buf, L)).any() and not torch.isinf(ref).any()
             assert same_values(cd.decode(buf.cuda(), L, L, odt).cpu(), ref), (name, odt)
 
 
-def test_decode_writes_into_a_strided_slice_only():       # the hack loop's test (README)
+def test_decode_writes_into_a_strided_slice_only():  # the hack loop's test (README)
     decode_into_a_slice(torch.bfloat16, 1000)
 
 
 @pytest.mark.parametrize("odt", DTYPES)
-@pytest.mark.parametrize("at", [1000, 1004, 1001])    # fp32: 32-byte aligned, 16-byte aligned, neither
+@pytest.mark.parametrize("at", [1000, 1004, 1001])  # fp32: 32-byte aligned, 16-byte aligned, neither
 def test_decode_into_slices_of_every_dtype_and_alignment(odt, at):
     decode_into_a_slice(odt, at)
 
@@ -182,9 +184,9 @@ def decode_into_a_slice(odt, at):
     x = inputs(5000, torch.bfloat16, 3).cuda()
     buf = cd.encode(x, 2, cd.padded(2500))
     out = torch.full((7000,), 7.0, dtype=odt, device="cuda")
-    cd.decode(buf, cd.padded(2500), 5000, out=out[at:at + 5000])
-    assert (out[:at] == 7).all() and (out[at + 5000:] == 7).all()
-    assert same_values(out[at:at + 5000].cpu(), cd.decode(buf.cpu(), cd.padded(2500), 5000, odt))
+    cd.decode(buf, cd.padded(2500), 5000, out=out[at : at + 5000])
+    assert (out[:at] == 7).all() and (out[at + 5000 :] == 7).all()
+    assert same_values(out[at : at + 5000].cpu(), cd.decode(buf.cpu(), cd.padded(2500), 5000, odt))
 
 
 def test_roundtrip_on_gpu_matches_cpu():
@@ -194,8 +196,10 @@ def test_roundtrip_on_gpu_matches_cpu():
         assert same_values(cd.roundtrip(x.cuda()).cpu(), cd.roundtrip(x))
 
 
-KERNEL_SOURCES = [os.path.join(os.path.dirname(os.path.abspath(taco_ext.__file__)), f)
-                  for f in taco_ext.SOURCES + ("taco_kernels.h", "taco_kernels_io.cuh", "taco_binding.h")]
+KERNEL_SOURCES = [
+    os.path.join(os.path.dirname(os.path.abspath(taco_ext.__file__)), f)
+    for f in taco_ext.SOURCES + ("taco_kernels.h", "taco_kernels_io.cuh", "taco_binding.h")
+]
 
 
 def run_selected(names):
@@ -204,12 +208,16 @@ def run_selected(names):
     taco_ext.load()
     failed = 0
     for name, fn in sorted(globals().items()):
-        if name.startswith("test_") and callable(fn) and fn.__code__.co_argcount == 0 \
-                and (not names or any(n in name for n in names)):
+        if (
+            name.startswith("test_")
+            and callable(fn)
+            and fn.__code__.co_argcount == 0
+            and (not names or any(n in name for n in names))
+        ):
             try:
                 fn()
                 print(f"{name}: passed", flush=True)
-            except Exception as e:                              # report and go on with the others
+            except Exception as e:  # report and go on with the others
                 failed += 1
                 print(f"{name}: FAILED: {type(e).__name__}: {e}", flush=True)
     return failed
@@ -226,7 +234,7 @@ def watch(names, run=run_selected, sources=KERNEL_SOURCES, poll=0.1, rounds=None
     while rounds is None or done < rounds:
         t0 = time.time()
         pid = os.fork()
-        if pid == 0:                                            # the child: build, load, test
+        if pid == 0:  # the child: build, load, test
             code = 1
             try:
                 code = min(run(names), 1)
@@ -234,12 +242,15 @@ def watch(names, run=run_selected, sources=KERNEL_SOURCES, poll=0.1, rounds=None
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         ok = os.WEXITSTATUS(status) == 0 if os.WIFEXITED(status) else False
-        print(f"--- {'passed' if ok else 'FAILED'} in {time.time() - t0:.1f} s from the edit; "
-              f"waiting for the next save of {', '.join(os.path.basename(f) for f in sources)}", flush=True)
+        print(
+            f"--- {'passed' if ok else 'FAILED'} in {time.time() - t0:.1f} s from the edit; "
+            f"waiting for the next save of {', '.join(os.path.basename(f) for f in sources)}",
+            flush=True,
+        )
         done += 1
         while (rounds is None or done < rounds) and stamp() == seen:
             time.sleep(poll)
-        while stamp() != seen:                                  # until the save is written out
+        while stamp() != seen:  # until the save is written out
             seen = stamp()
             time.sleep(poll)
 
@@ -249,6 +260,7 @@ if __name__ == "__main__":
     #   python -m tests.test_kernels [NAME ...]           run the parameterless tests whose names contain NAME
     #   python -m tests.test_kernels --watch [NAME ...]   the same again at every save of the kernel sources
     import sys
+
     args = sys.argv[1:]
     if "--watch" in args:
         watch([a for a in args if a != "--watch"])

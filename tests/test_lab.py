@@ -1,5 +1,6 @@
 """The lab's tools and bench.py's plumbing, on CPU: the study runner, real TP next to emulated, the
 end-to-end benchmark, the kernel timeline's analysis, the cost model, the run plots."""
+
 import json
 import os
 import shutil
@@ -20,8 +21,9 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 def sh(cmd, check=True, **env):
     """`python cmd` (a script or -m module: in the rank pool; -c code: a subprocess)."""
     if cmd[0] == "-c":
-        p = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True,
-                           timeout=600)
+        p = subprocess.run(
+            [sys.executable, *cmd], cwd=ROOT, env=dict(ENV, **env), capture_output=True, text=True, timeout=600
+        )
     else:
         p = launch(cmd[1], cmd[2:], env=env) if cmd[0] == "-m" else launch(cmd[0], cmd[1:], env=env)
     assert p.returncode == 0 or not check, p.stdout[-2000:] + p.stderr[-2000:]
@@ -29,11 +31,14 @@ def sh(cmd, check=True, **env):
 
 
 def test_interp_us_is_log_log_and_per_transport():
-    rows = [{"MB": mb, "variant": "hint8", "chunks": 1, "transport": tr, "us": str(us)}
-            for tr, scale in (("dist", 100), ("symm", 50)) for mb, us in ((1, scale), (4, 4 * scale), (16, 8 * scale))]
-    assert costmodel.interp_us(rows, "hint8", 2) == pytest.approx(200)          # t ~ MB between 1 and 4
+    rows = [
+        {"MB": mb, "variant": "hint8", "chunks": 1, "transport": tr, "us": str(us)}
+        for tr, scale in (("dist", 100), ("symm", 50))
+        for mb, us in ((1, scale), (4, 4 * scale), (16, 8 * scale))
+    ]
+    assert costmodel.interp_us(rows, "hint8", 2) == pytest.approx(200)  # t ~ MB between 1 and 4
     assert costmodel.interp_us(rows, "hint8", 2, "symm") == pytest.approx(100)
-    assert costmodel.interp_us(rows, "hint8", 8) == pytest.approx(400 * 2 ** 0.5)   # t ~ sqrt(MB) between 4 and 16
+    assert costmodel.interp_us(rows, "hint8", 8) == pytest.approx(400 * 2**0.5)  # t ~ sqrt(MB) between 4 and 16
 
 
 def test_costmodel_from_the_committed_gpu_results(tmp_path):
@@ -54,8 +59,12 @@ def test_costmodel_from_the_committed_gpu_results(tmp_path):
         assert costmodel.t_at(fit, mb, 2, 1.0) == pytest.approx(costmodel.interp_us(coll, "nccl bf16", mb))
     a = fit[0]
     assert costmodel.t_at(fit, 64, 8, 1.0) - a == pytest.approx((costmodel.t_at(fit, 64, 2, 1.0) - a) * 7 / 4)
-    assert {(r["TP"], r["link"]) for r in out["rows"]} == {(4, "nvlink"), (8, "nvlink"), (4, "p2p_disabled"),
-                                                          (8, "p2p_disabled")}
+    assert {(r["TP"], r["link"]) for r in out["rows"]} == {
+        (4, "nvlink"),
+        (8, "nvlink"),
+        (4, "p2p_disabled"),
+        (8, "p2p_disabled"),
+    }
     for r in out["rows"]:
         lo, hi = (float(x) for x in r["range"].rstrip("x").split("-"))
         assert lo <= float(r["speedup"].rstrip("x")) <= hi
@@ -65,8 +74,13 @@ def timeline(tmp_path):
     """A hand-made timeline (ms): compute 0-10 and 20-30; an encode 5-15 (half of it beside compute),
     a decode 12-16 and an NCCL kernel 40-50 (alone); nothing runs 16-20 and 30-40."""
     k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts * 1000, "dur": dur * 1000}
-    ev = [k("gemm", 0, 10), k("gemm", 20, 10), k("void encode_kernel<1>", 5, 10), k("void decode_kernel<1>", 12, 4),
-          k("ncclDevKernel_SendRecv", 40, 10)]
+    ev = [
+        k("gemm", 0, 10),
+        k("gemm", 20, 10),
+        k("void encode_kernel<1>", 5, 10),
+        k("void decode_kernel<1>", 12, 4),
+        k("ncclDevKernel_SendRecv", 40, 10),
+    ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": ev}))
     return str(path)
@@ -76,38 +90,64 @@ def test_trace_report_splits_hidden_and_exposed_time(tmp_path):
     path = timeline(tmp_path)
     rows, calls = analysis.trace_report(path, steps=1)
     by = {r["kind"]: r for r in rows}
-    assert (by["step (first to last kernel)"]["kernel ms"], by["step (first to last kernel)"]["exposed"]) == ("50.0", "14.0 idle")
-    assert (by["codec kernels"]["kernel ms"], by["codec kernels"]["busy ms"]) == ("14.0", "11.0")     # 5-16 busy
+    assert (by["step (first to last kernel)"]["kernel ms"], by["step (first to last kernel)"]["exposed"]) == (
+        "50.0",
+        "14.0 idle",
+    )
+    assert (by["codec kernels"]["kernel ms"], by["codec kernels"]["busy ms"]) == ("14.0", "11.0")  # 5-16 busy
     assert (by["codec kernels"]["beside compute"], by["codec kernels"]["exposed"]) == ("5.0", "6.0")
     assert (by["comm: nccl"]["beside compute"], by["comm: nccl"]["exposed"]) == ("0.0", "10.0")
     assert by["compute"]["busy ms"] == "20.0"
     # per kernel: "beside compute" needs more than half of it under a compute kernel (the encode has half)
-    assert {(c["kernel"], c["beside compute"], c["mean us"]) for c in calls} == {("encode", "no", "10000.0"),
-                                                                                 ("decode", "no", "4000.0")}
-    rows, calls = analysis.trace_report(path, steps=2)                                      # per step
+    assert {(c["kernel"], c["beside compute"], c["mean us"]) for c in calls} == {
+        ("encode", "no", "10000.0"),
+        ("decode", "no", "4000.0"),
+    }
+    rows, calls = analysis.trace_report(path, steps=2)  # per step
     assert {r["kind"]: r for r in rows}["compute"]["kernel ms"] == "10.0"
 
 
 def test_kernel_time_by_kind_from_a_trace(tmp_path):
     """bench.py e2e's compute / comm / codec columns: GPU time per step by kernel kind."""
     assert bench.kernel_ms_by_kind(timeline(tmp_path), steps=2) == pytest.approx(
-        {"compute": 10.0, "codec kernels": 7.0, "comm: nccl": 5.0})
-    names = ["sm90_xmma_gemm_bf16bf16_bf16f32", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
-             "void (anonymous namespace)::reduce_encode_kernel(TacoMsgs, int)",
-             "void c10d::symmetric_memory::barrier_kernel(unsigned int**)",
-             "void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 2>(...)",
-             "Memcpy DtoD (Device -> Device)"]
-    assert [bench.kernel_kind(n) for n in names] == ["compute", "comm: nccl", "codec kernels", "comm: symm barrier",
-                                                  "comm: symm two-shot", "memcpy/memset"]
+        {"compute": 10.0, "codec kernels": 7.0, "comm: nccl": 5.0}
+    )
+    names = [
+        "sm90_xmma_gemm_bf16bf16_bf16f32",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
+        "void (anonymous namespace)::reduce_encode_kernel(TacoMsgs, int)",
+        "void c10d::symmetric_memory::barrier_kernel(unsigned int**)",
+        "void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 2>(...)",
+        "Memcpy DtoD (Device -> Device)",
+    ]
+    assert [bench.kernel_kind(n) for n in names] == [
+        "compute",
+        "comm: nccl",
+        "codec kernels",
+        "comm: symm barrier",
+        "comm: symm two-shot",
+        "memcpy/memset",
+    ]
 
 
 def test_overlap_bound_takes_each_kernels_cheapest_sm_time():
     """Matmul 100 us on 132 SMs (13,200 SM-us) or 110 us on 122 (13,420); codec 50 us on 132 (6,600)
     or 400 us on 10 (4,000): at least (13,200 + 4,000) / 132 us on split SMs."""
-    row = lambda variant, us: {"shape": "s", "codec": "c", "matmul alone us": "100.0", "codec alone us": "50.0",
-                               "variant": variant, "pair us": str(us)}
-    rows = [row("one after the other", 150), row("codec first", 140), row("matmul first", 145),
-            row("alone: codec on 10 SMs (green context)", 400), row("alone: matmul, all but 10 SMs (cuBLASLt)", 110)]
+    row = lambda variant, us: {
+        "shape": "s",
+        "codec": "c",
+        "matmul alone us": "100.0",
+        "codec alone us": "50.0",
+        "variant": variant,
+        "pair us": str(us),
+    }
+    rows = [
+        row("one after the other", 150),
+        row("codec first", 140),
+        row("matmul first", 145),
+        row("alone: codec on 10 SMs (green context)", 400),
+        row("alone: matmul, all but 10 SMs (cuBLASLt)", 110),
+    ]
     (r,) = analysis.overlap_bound(rows)
     assert r["bound us"] == f"{(13200 + 4000) / 132:.1f}" and r["bound vs matmul"] == "1.30x"
     assert (r["best pair us"], r["best vs matmul"]) == ("140.0", "1.40x")
@@ -117,9 +157,21 @@ def test_overlap_bound_takes_each_kernels_cheapest_sm_time():
 def test_study_runner_is_cumulative(tmp_path):
     """lab.study run: one emulated-TP run per codec, two at a time, appended to the study file; a
     second invocation finds them all done and only reports."""
-    tiny = ["--dataset=small", "--max_iters=2", "--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=32",
-            "--batch_size=2", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2",
-            "--log_interval=1", f"--out_dir={tmp_path}/runs"]
+    tiny = [
+        "--dataset=small",
+        "--max_iters=2",
+        "--n_layer=1",
+        "--n_head=4",
+        "--n_embd=32",
+        "--block_size=32",
+        "--batch_size=2",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--warmup_iters=1",
+        "--lr_decay_iters=2",
+        "--log_interval=1",
+        f"--out_dir={tmp_path}/runs",
+    ]
     cmd = ["-m", "lab.study", "run", "fig13", "--seeds=1", "--jobs=2", "--", *tiny]
     sh(cmd, NANOTACO_STUDY_FILE=str(tmp_path / "study.json"))
     runs = json.load(open(tmp_path / "study.json"))
@@ -134,22 +186,50 @@ def test_graph_runs_are_keyed_apart_from_eager_ones(tmp_path):
     """lab.study run --graph does not count the eager runs as done (replay is not bit-identical to
     eager), and report shows eager runs unless asked for the graph ones."""
     from lab.study import study_key
-    rec = lambda codec, val, extra: {"codec": codec, "block": 256, "tp": 4, "seed": 0, "extra": extra,
-                                     "config": "configs/study.py", "final_val": val, "curve": [], "val": []}
-    runs = {study_key("none", 256, 4, 0, "configs/study.py", ()): rec("none", 5.0, []),
-            study_key("taco", 256, 4, 0, "configs/study.py", ()): rec("taco", 5.05, []),
-            study_key("none", 256, 4, 0, "configs/study.py", ["--graph"]): rec("none", 6.0, ["--graph"]),
-            study_key("taco", 256, 4, 0, "configs/study.py", ["--graph"]): rec("taco", 6.3, ["--graph"])}
+
+    rec = lambda codec, val, extra: {
+        "codec": codec,
+        "block": 256,
+        "tp": 4,
+        "seed": 0,
+        "extra": extra,
+        "config": "configs/study.py",
+        "final_val": val,
+        "curve": [],
+        "val": [],
+    }
+    runs = {
+        study_key("none", 256, 4, 0, "configs/study.py", ()): rec("none", 5.0, []),
+        study_key("taco", 256, 4, 0, "configs/study.py", ()): rec("taco", 5.05, []),
+        study_key("none", 256, 4, 0, "configs/study.py", ["--graph"]): rec("none", 6.0, ["--graph"]),
+        study_key("taco", 256, 4, 0, "configs/study.py", ["--graph"]): rec("taco", 6.3, ["--graph"]),
+    }
     path = tmp_path / "study.json"
     path.write_text(json.dumps(runs))
-    eager, graph = (sh(["-m", "lab.study", "report", *flag], NANOTACO_STUDY_FILE=str(path)).stdout
-                    for flag in ((), ("--graph",)))
+    eager, graph = (
+        sh(["-m", "lab.study", "report", *flag], NANOTACO_STUDY_FILE=str(path)).stdout for flag in ((), ("--graph",))
+    )
     assert "+1.00%" in eager and "+5.00%" not in eager
     assert "+5.00%" in graph and "+1.00%" not in graph
-    p = subprocess.run([sys.executable, "-m", "lab.study", "run", "fig13", "--seeds=1", "--graph", "--",
-                        "--dataset=small", f"--out_dir={tmp_path}/runs"], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(ENV, NANOTACO_STUDY_FILE=str(path)))
-    assert "3 runs to do" in p.stdout and p.returncode != 0     # on CPU the graph runs are refused
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lab.study",
+            "run",
+            "fig13",
+            "--seeds=1",
+            "--graph",
+            "--",
+            "--dataset=small",
+            f"--out_dir={tmp_path}/runs",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(ENV, NANOTACO_STUDY_FILE=str(path)),
+    )
+    assert "3 runs to do" in p.stdout and p.returncode != 0  # on CPU the graph runs are refused
 
 
 @pytest.mark.slow
@@ -157,7 +237,8 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     """lab.study's attribution labels: "codec@fwd|bwd|SITES" become lab.emulate's arguments, and
     runs of a group with another config are keyed apart from the first study's."""
     from lab.study import STUDY, confidence_interval, study_key, variant_args
-    assert confidence_interval([1.0, 2.0, 3.0]) == pytest.approx((2 - 4.303 / 3 ** 0.5, 2 + 4.303 / 3 ** 0.5))
+
+    assert confidence_interval([1.0, 2.0, 3.0]) == pytest.approx((2 - 4.303 / 3**0.5, 2 + 4.303 / 3**0.5))
     assert variant_args("hint8") == ["--tp_codec=hint8"]
     assert variant_args("hint8@fwd") == ["--tp_codec=hint8", "--tp_codec_bwd=none"]
     assert variant_args("taco@bwd") == ["--tp_codec=none", "--tp_codec_bwd=taco"]
@@ -166,10 +247,23 @@ def test_study_variants_compress_part_of_the_all_reduces(tmp_path):
     assert study_key("none", 256, 8, 0, "configs/study.py", ()) == "none|B256|tp8|seed0|"
     assert study_key("none", 256, 8, 0, "configs/study_long.py", ()) == "none|B256|tp8|seed0||study_long.py"
     assert all(os.path.exists(os.path.join(ROOT, cfg)) for _, _, cfg in STUDY.values())
-    tiny = ["--dataset=small", "--max_iters=2", "--n_layer=1", "--n_head=8", "--n_embd=64", "--block_size=32",
-            "--batch_size=2", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2",
-            f"--out_dir={tmp_path}/runs"]
-    out = sh(["-m", "lab.study", "run", "attrib", "--seeds=1", "--", *tiny], NANOTACO_STUDY_FILE=str(tmp_path / "s.json"))
+    tiny = [
+        "--dataset=small",
+        "--max_iters=2",
+        "--n_layer=1",
+        "--n_head=8",
+        "--n_embd=64",
+        "--block_size=32",
+        "--batch_size=2",
+        "--eval_interval=2",
+        "--eval_iters=1",
+        "--warmup_iters=1",
+        "--lr_decay_iters=2",
+        f"--out_dir={tmp_path}/runs",
+    ]
+    out = sh(
+        ["-m", "lab.study", "run", "attrib", "--seeds=1", "--", *tiny], NANOTACO_STUDY_FILE=str(tmp_path / "s.json")
+    )
     runs = json.load(open(tmp_path / "s.json"))
     assert len(runs) == 9 and all(r["config"] == "configs/study_long.py" for r in runs.values())
     assert "--sites=mlp configs/study_long.py --tp_codec=taco" in out.stdout
@@ -182,13 +276,32 @@ def test_forks_continue_the_base_run_exactly(tmp_path):
     """lab.study fork: a "none" fork at TP=1 from step 4 ends where the base run trained straight to
     step 7 ends, bit for bit (same batches, schedule, optimizer state); a codec's fork differs, and
     is the same after another fork in the process as alone; a second invocation finds every fork done."""
-    tiny = ["--dataset=small", "--device=cpu", "--n_layer=1", "--n_head=4", "--n_embd=64", "--block_size=32",
-            "--batch_size=2", "--eval_iters=2", "--warmup_iters=1", "--lr_decay_iters=12"]
+    tiny = [
+        "--dataset=small",
+        "--device=cpu",
+        "--n_layer=1",
+        "--n_head=4",
+        "--n_embd=64",
+        "--block_size=32",
+        "--batch_size=2",
+        "--eval_iters=2",
+        "--warmup_iters=1",
+        "--lr_decay_iters=12",
+    ]
     env = dict(NANOTACO_FORK_FILE=str(tmp_path / "fork.json"))
     cmd = ["-m", "lab.study", "fork", "hint8", "--starts=4", "--steps=3", "--tp=1", f"--out={tmp_path}/f", "--", *tiny]
     sh(cmd, **env)
-    sh(["train.py", "configs/study_long.py", *tiny, "--max_iters=7", "--eval_interval=7", "--tp_codec=none",
-        f"--out_dir={tmp_path}/straight"])
+    sh(
+        [
+            "train.py",
+            "configs/study_long.py",
+            *tiny,
+            "--max_iters=7",
+            "--eval_interval=7",
+            "--tp_codec=none",
+            f"--out_dir={tmp_path}/straight",
+        ]
+    )
     straight = [r for r in map(json.loads, open(tmp_path / "straight" / "log.jsonl")) if "val_loss" in r][-1]
     forks = {r["label"]: r for r in json.load(open(tmp_path / "fork.json")).values()}
     assert forks["none"]["val"] == straight["val_loss"] and forks["none"]["train"] == straight["train_loss"]
@@ -208,8 +321,10 @@ def test_site_errors_split_the_gradient_error(tmp_path):
     """lab.analysis sites, briefly: compressing only the backward cannot change the loss; the
     forward/backward and the attention/MLP/embedding+head splits each account for roughly the
     whole error (errors add in squares when independent)."""
-    sh(["-c", "from lab.analysis import site_errors; site_errors(('hint8',), steps=2, batches=1)"],
-       NANOTACO_RESULTS=str(tmp_path))
+    sh(
+        ["-c", "from lab.analysis import site_errors; site_errors(('hint8',), steps=2, batches=1)"],
+        NANOTACO_RESULTS=str(tmp_path),
+    )
     rows = {r["compressed"]: r for r in json.load(open(tmp_path / "sites.json"))["rows"]}
     share = lambda *parts: sum(float(rows[p]["share"]) for p in parts)
     assert rows["all"]["share"] == "1.00" and rows["all"]["all-reduces"] == 18
@@ -234,13 +349,29 @@ def test_emulation_refuses_what_it_cannot_emulate():
 def test_tp_real_runs_real_tp_next_to_the_study(tmp_path):
     """lab.study tp-real, at TP=2 on CPU with a tiny model: one run per codec, the paired change vs
     the uncompressed run of the same seed."""
-    sh(["-m", "lab.study", "tp-real", "2", "none,hint8", "--", "--dataset=small", "--device=cpu", "--max_iters=4",
-        "--eval_interval=4", "--warmup_iters=1", "--lr_decay_iters=4", *TINY, f"--out_dir={tmp_path}/runs"],
-       NANOTACO_RESULTS=str(tmp_path))
+    sh(
+        [
+            "-m",
+            "lab.study",
+            "tp-real",
+            "2",
+            "none,hint8",
+            "--",
+            "--dataset=small",
+            "--device=cpu",
+            "--max_iters=4",
+            "--eval_interval=4",
+            "--warmup_iters=1",
+            "--lr_decay_iters=4",
+            *TINY,
+            f"--out_dir={tmp_path}/runs",
+        ],
+        NANOTACO_RESULTS=str(tmp_path),
+    )
     rows = json.load(open(tmp_path / "tp2_real.json"))["rows"]
     assert [(r["codec"], r["seed"]) for r in rows] == [("none", 0), ("hint8", 0)]
     assert rows[0]["real vs none"] == "+0.00%" and rows[1]["real vs none"] != "-"
-    assert all(r["emulated val"] == "-" for r in rows)      # extra arguments: no study run to compare with
+    assert all(r["emulated val"] == "-" for r in rows)  # extra arguments: no study run to compare with
     assert abs(rows[1]["real val"] / rows[0]["real val"] - 1) < 0.05
 
 
@@ -259,16 +390,34 @@ def test_e2e_benchmark_runs_every_entry_in_one_invocation(tmp_path):
     """bench.py e2e: one training per entry, same invocation, a table with the speedup column (on CPU
     the times mean nothing: the GPU results are in results/e2e_*.json); then lab.analysis curves
     plots their logs."""
-    sh(["bench.py", "e2e", "configs/demo.py", "none,hint8,tp_codec=taco/tp_transport=dist,sol:all", "--nproc=2",
-        "--tag=cputest", "--", "--max_iters=4", "--log_interval=1", "--pp=1", "--gradient_accumulation_steps=1",
-        "--n_layer=1", "--n_embd=32", "--n_head=2", "--block_size=32", "--batch_size=2"], NANOTACO_RESULTS=str(tmp_path))
+    sh(
+        [
+            "bench.py",
+            "e2e",
+            "configs/demo.py",
+            "none,hint8,tp_codec=taco/tp_transport=dist,sol:all",
+            "--nproc=2",
+            "--tag=cputest",
+            "--",
+            "--max_iters=4",
+            "--log_interval=1",
+            "--pp=1",
+            "--gradient_accumulation_steps=1",
+            "--n_layer=1",
+            "--n_embd=32",
+            "--n_head=2",
+            "--block_size=32",
+            "--batch_size=2",
+        ],
+        NANOTACO_RESULTS=str(tmp_path),
+    )
     res = json.load(open(tmp_path / "e2e_cputest.json"))
     assert [r["codec"] for r in res["rows"]] == ["none", "hint8", "tp_codec=taco/tp_transport=dist", "sol:all"]
     assert res["rows"][0]["speedup"] == "1.00x"
     for r in res["rows"][1:3]:
-        assert r["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5    # fp32 -> ~1 byte
-    assert res["rows"][3]["tp wire MiB/step"] == 0 and res["rows"][3]["peak GiB"] == "-"   # skipped; no GPU
-    assert res["rows"][1]["loss"] != res["rows"][2]["loss"]                         # hint8 vs taco: both ran
+        assert r["tp wire MiB/step"] < res["rows"][0]["tp wire MiB/step"] / 3.5  # fp32 -> ~1 byte
+    assert res["rows"][3]["tp wire MiB/step"] == 0 and res["rows"][3]["peak GiB"] == "-"  # skipped; no GPU
+    assert res["rows"][1]["loss"] != res["rows"][2]["loss"]  # hint8 vs taco: both ran
     logs = [os.path.join(ROOT, "out", f"cputest_{e}", "log.jsonl") for e in ("none", "hint8")]
     sh(["-m", "lab.analysis", "curves", *logs, f"--out={tmp_path}/curves.png"])
     assert os.path.getsize(tmp_path / "curves.png") > 10000
@@ -280,10 +429,14 @@ def test_speed_of_light_skips_the_tp_all_reduces(tmp_path):
     wrong: each rank trains on its partial sums); with `fwd` only the backward ones remain; the
     all-reduces of a block part with its own codec (tp_codec_attn) are skipped too."""
     from test_train import TINY, losses, run
+
     common = TINY + ["--tp=2", "--max_iters=2", "--eval_interval=0"]
     wire = {}
-    for name, which, extra in (("all", "all", []), ("fwd", "fwd", []),
-                               ("sites", "all", ["--tp_codec=hint8", "--tp_codec_attn=hint6"])):
+    for name, which, extra in (
+        ("all", "all", []),
+        ("fwd", "fwd", []),
+        ("sites", "all", ["--tp_codec=hint8", "--tp_codec_attn=hint6"]),
+    ):
         p = run([which, *common, *extra, f"--out_dir={tmp_path / name}"], nproc=2, module="lab.speed_of_light")
         assert "SPEED OF LIGHT" in p.stdout
         with open(tmp_path / name / "log.jsonl") as f:
@@ -297,9 +450,14 @@ def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
     """lab.peer_profile: per profiled step, by kind and by name (template arguments and Triton's
     running number dropped, so two compiles' kernels match); busy time counts overlap once."""
     from lab import peer_profile
+
     k = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts * 1000, "dur": dur * 1000}
-    ev = [k("sm90_xmma_gemm_bf16", 0, 10), k("triton_red_fused__log_softmax_3", 5, 10),
-          k("triton_red_fused__log_softmax_7", 30, 5), k("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 40, 10)]
+    ev = [
+        k("sm90_xmma_gemm_bf16", 0, 10),
+        k("triton_red_fused__log_softmax_3", 5, 10),
+        k("triton_red_fused__log_softmax_7", 30, 5),
+        k("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", 40, 10),
+    ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": ev}))
     kinds, names, busy, span = peer_profile.per_step(str(path))
@@ -307,5 +465,5 @@ def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
     assert kinds == pytest.approx({"matmul": 10 / S, "loss": 15 / S, "optimizer": 10 / S})
     assert names["triton_red_fused__log_softmax"] == pytest.approx(15 / S)
     assert names["void multi_tensor_apply_kernel"] == pytest.approx(10 / S)
-    assert (busy, span) == pytest.approx((30 / S, 50 / S))              # 0-15, 30-35, 40-50 busy
+    assert (busy, span) == pytest.approx((30 / S, 50 / S))  # 0-15, 30-35, 40-50 busy
     assert peer_profile.kind("void at::native::lpnorm_cleanup<float>") == "norm, clip (foreach)"

@@ -1,4 +1,5 @@
 """sample.py and the tokenizer: Hugging Face weights in and out (GPT-2, Qwen2), generation."""
+
 import json
 import os
 import shutil
@@ -47,7 +48,7 @@ def test_qwen2_tokenizer_gives_qwen2_ids():
     assert enc.n_vocab == 151646 and enc.eot_token == 151643
     assert enc.encode("<|im_start|>", allowed_special="all") == [151644]
     assert enc.encode("2024") == [enc.encode(d)[0] for d in "2024"]
-    assert enc.encode("cafe\u0301") == enc.encode("caf\u00e9")              # NFC, as Qwen2's tokenizer.json
+    assert enc.encode("cafe\u0301") == enc.encode("caf\u00e9")  # NFC, as Qwen2's tokenizer.json
     text = "O Romeo, Romeo! 你好，世界\n\n\tcode(x) = 42;"
     assert enc.decode(enc.encode(text)) == text
     with pytest.raises(ValueError, match="tokenizer 'llama': choose one of gpt2, qwen2"):
@@ -68,7 +69,7 @@ def _hf_tp(rank, world):
     fx = torch.load(FIXTURE, weights_only=False)
     model = from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"]), comm_for(rank, world)).eval()
     out = {"gpt2": (full_logits(model, fx["idx"]), fx["logits"][:, -1, :])}
-    for name, folder in QWEN.items():                         # each rank reads only its slices' tensors
+    for name, folder in QWEN.items():  # each rank reads only its slices' tensors
         mc = checkpoint.hf_model_config(folder)
         q = GPT(mc, comm_for(rank, world), seed=None).eval()
         checkpoint.shard_into(q, checkpoint.from_hf(checkpoint.hf_read(folder), mc))
@@ -108,8 +109,11 @@ def test_qwen2_export_then_load_is_exact(tmp_path, name):
     src = checkpoint.hf_read(QWEN[name])
     back = load_file(str(dest / "model.safetensors"))
     index = os.path.join(QWEN[name], "model.safetensors.index.json")
-    names = (json.load(open(index))["weight_map"] if os.path.exists(index)
-             else load_file(os.path.join(QWEN[name], "model.safetensors")))
+    names = (
+        json.load(open(index))["weight_map"]
+        if os.path.exists(index)
+        else load_file(os.path.join(QWEN[name], "model.safetensors"))
+    )
     assert set(back) == set(names)
     for k in names:
         assert torch.equal(back[k], src(k)), k
@@ -123,13 +127,16 @@ def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, arch, vo
     decodes them back to that text (Qwen2: NFC-normalised, as its tokenizer is)."""
     transformers = pytest.importorskip("transformers")
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
-    checkpoint.save_hf(GPT(GPTConfig(arch=arch, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32),
-                           seed=0), src)
+    checkpoint.save_hf(
+        GPT(GPTConfig(arch=arch, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32), seed=0), src
+    )
     sample.cli(["export", src, dest])
     assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(os.listdir(dest))
     tok = transformers.AutoTokenizer.from_pretrained(dest)
-    text = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n  1234567 + 89 = ?\tnaïve café "
-            "Ünïcödé \u4e2d\u6587 \U0001F600 e\u0301 it's don't")
+    text = (
+        "First Citizen:\nBefore we proceed any further, hear me speak.\n\n  1234567 + 89 = ?\tnaïve café "
+        "Ünïcödé \u4e2d\u6587 \U0001f600 e\u0301 it's don't"
+    )
     ids = get_encoding(arch).encode_ordinary(text)
     assert tok(text)["input_ids"] == ids
     assert tok.decode(ids) == (text if arch == "gpt2" else unicodedata.normalize("NFC", text))
@@ -157,15 +164,22 @@ def _folder(tmp_path, edit=None, drop=None):
     return str(d)
 
 
-@pytest.mark.parametrize("edit, drop, message", [
-    (lambda c: c.update(model_type="llama"), None, "model_type 'llama' is not supported; the families read are gpt2 and qwen2"),
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None, "scaled rotary positions"),
-    (lambda c: c.update(use_sliding_window=True), None, "sliding-window attention"),
-    (None, "model-00003-of-00005.safetensors", "model-00003-of-00005.safetensors is missing"),
-    (lambda c: c.update(intermediate_size=40), None, "does not fit this model"),
-    (lambda c: c.update(num_hidden_layers=3), None, "the weights have no model.layers.2."),
-    (None, "config.json", "no Hugging Face config.json"),
-])
+@pytest.mark.parametrize(
+    "edit, drop, message",
+    [
+        (
+            lambda c: c.update(model_type="llama"),
+            None,
+            "model_type 'llama' is not supported; the families read are gpt2 and qwen2",
+        ),
+        (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None, "scaled rotary positions"),
+        (lambda c: c.update(use_sliding_window=True), None, "sliding-window attention"),
+        (None, "model-00003-of-00005.safetensors", "model-00003-of-00005.safetensors is missing"),
+        (lambda c: c.update(intermediate_size=40), None, "does not fit this model"),
+        (lambda c: c.update(num_hidden_layers=3), None, "the weights have no model.layers.2."),
+        (None, "config.json", "no Hugging Face config.json"),
+    ],
+)
 def test_bad_hf_folders_are_refused_naming_why(tmp_path, edit, drop, message):
     with pytest.raises((ValueError, SystemExit)) as e:
         sample.load(_folder(tmp_path, edit, drop))
@@ -178,4 +192,4 @@ def test_generate_is_deterministic_and_in_vocabulary():
     a = generate(model, idx, 20, generator=torch.Generator().manual_seed(0))
     b = generate(model, idx, 20, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a, b) and a.shape == (1, 21)
-    assert int(a.max()) < 200                     # never a padding id (vocab padded to 256)
+    assert int(a.max()) < 200  # never a padding id (vocab padded to 256)

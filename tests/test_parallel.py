@@ -1,4 +1,5 @@
 """Tensor-parallel operators, layers and the whole model against their single-rank equivalents (gloo)."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +11,7 @@ import data_parallel
 import parallel
 import taco
 from launcher import run_ranks
-from model import (GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelCrossEntropy)
+from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelCrossEntropy
 
 
 def comm_for(rank, world, **kw):
@@ -19,23 +20,29 @@ def comm_for(rank, world, **kw):
 
 # --- f and g: exact integer checks ---------------------------------------------------------------
 
+
 def _ops(rank, world):
     comm = comm_for(rank, world)
     x = (torch.ones(3, 5) * (rank + 1)).requires_grad_()
-    y = parallel.f(x, torch.eye(5), None, comm)        # f, then a matmul by the identity: exact
-    y.backward(torch.ones(3, 5) * (rank + 1))          # f backward: all-reduce of the gradient
+    y = parallel.f(x, torch.eye(5), None, comm)  # f, then a matmul by the identity: exact
+    y.backward(torch.ones(3, 5) * (rank + 1))  # f backward: all-reduce of the gradient
     fx, fgrad = y.detach().clone(), x.grad.clone()
     x2 = (torch.ones(3, 5) * (rank + 1)).requires_grad_()
-    z = parallel.g(x2, comm)                            # g forward: all-reduce
-    z.backward(torch.ones(3, 5) * (rank + 1))          # g backward: identity
+    z = parallel.g(x2, comm)  # g forward: all-reduce
+    z.backward(torch.ones(3, 5) * (rank + 1))  # g backward: identity
     return fx, fgrad, z.detach().clone(), x2.grad.clone()
 
 
 def _tp_suite(rank, world):
     """Every TP check of this file on one launch of `world` ranks (a launch costs seconds)."""
-    return {"ops": _ops(rank, world), "linears": _linears(rank, world), "xent": _xent(rank, world),
-            "model": _model_tp_vs_single(rank, world), "qwen2": _model_tp_vs_single(rank, world, QWEN),
-            "qwen2 sp": _model_tp_vs_single(rank, world, QWEN, sp=True)}
+    return {
+        "ops": _ops(rank, world),
+        "linears": _linears(rank, world),
+        "xent": _xent(rank, world),
+        "model": _model_tp_vs_single(rank, world),
+        "qwen2": _model_tp_vs_single(rank, world, QWEN),
+        "qwen2 sp": _model_tp_vs_single(rank, world, QWEN, sp=True),
+    }
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -55,13 +62,14 @@ def test_f_and_g_are_exact(tp):
 
 
 def test_group_of_one_skips_communication():
-    comm = parallel.TPComm()             # no process group at all: any collective would fail
+    comm = parallel.TPComm()  # no process group at all: any collective would fail
     x, w, b = torch.randn(2, 4), torch.randn(3, 4), torch.randn(3)
     assert parallel.g(x, comm) is x
     assert torch.equal(parallel.f(x, w, b, comm), F.linear(x, w, b))
 
 
 # --- column / row parallel linear vs nn.Linear ---------------------------------------------------
+
 
 def _linears(rank, world):
     torch.manual_seed(0)
@@ -70,17 +78,24 @@ def _linears(rank, world):
     x = torch.randn(2, 3, 8, requires_grad=True)
     col, row = ColumnParallelLinear(8, 12, comm), RowParallelLinear(12, 6, comm)
     with torch.no_grad():
-        col.weight.copy_(col.shard(ref1.weight)); col.bias.copy_(col.shard(ref1.bias))
-        row.weight.copy_(row.shard(ref2.weight)); row.bias.copy_(ref2.bias)
+        col.weight.copy_(col.shard(ref1.weight))
+        col.bias.copy_(col.shard(ref1.bias))
+        row.weight.copy_(row.shard(ref2.weight))
+        row.bias.copy_(ref2.bias)
     xp = x.detach().clone().requires_grad_()
     y = row(F.gelu(col(xp)))
     y_ref = ref2(F.gelu(ref1(x)))
     g = torch.randn_like(y_ref)
     y.backward(g)
     y_ref.backward(g)
-    return dict(y=(y, y_ref), dx=(xp.grad, x.grad),
-                w1=(col.weight.grad, col.shard(ref1.weight.grad)), b1=(col.bias.grad, col.shard(ref1.bias.grad)),
-                w2=(row.weight.grad, row.shard(ref2.weight.grad)), b2=(row.bias.grad, ref2.bias.grad))
+    return dict(
+        y=(y, y_ref),
+        dx=(xp.grad, x.grad),
+        w1=(col.weight.grad, col.shard(ref1.weight.grad)),
+        b1=(col.bias.grad, col.shard(ref1.bias.grad)),
+        w2=(row.weight.grad, row.shard(ref2.weight.grad)),
+        b2=(row.bias.grad, ref2.bias.grad),
+    )
 
 
 def test_column_row_parallel_match_nn_linear(tp):
@@ -92,17 +107,19 @@ def test_column_row_parallel_match_nn_linear(tp):
 
 # --- vocab-parallel cross-entropy vs F.cross_entropy ---------------------------------------------
 
+
 def _xent(rank, world):
     torch.manual_seed(1)
     full = torch.randn(10, 16) * 3
     targets = torch.randint(0, 14, (10,))
-    targets[3] = -1                               # ignored position
+    targets[3] = -1  # ignored position
     local = full.chunk(world, dim=1)[rank].clone().requires_grad_()
-    loss = VocabParallelCrossEntropy.apply(local, targets, rank * 16 // world, 14 - rank * 16 // world,
-                                           dist.group.WORLD)
+    loss = VocabParallelCrossEntropy.apply(
+        local, targets, rank * 16 // world, 14 - rank * 16 // world, dist.group.WORLD
+    )
     loss.backward()
     ref_in = full.clone().requires_grad_()
-    ref = F.cross_entropy(ref_in[:, :14], targets, ignore_index=-1)   # columns 14, 15 are padding
+    ref = F.cross_entropy(ref_in[:, :14], targets, ignore_index=-1)  # columns 14, 15 are padding
     ref.backward()
     return loss.detach(), ref.detach(), local.grad, ref_in.grad.chunk(world, dim=1)[rank]
 
@@ -117,9 +134,9 @@ def test_tp1_loss_leaves_out_the_vocabulary_padding():
     """At TP=1 the model's loss is PyTorch's over the real columns only (padding at -inf): the
     same loss as over a slice, and no gradient into the padding rows of the (tied) embedding."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=8, vocab_size=200, n_layer=1, n_head=2, n_embd=16))   # padded to 256
+    model = GPT(GPTConfig(block_size=8, vocab_size=200, n_layer=1, n_head=2, n_embd=16))  # padded to 256
     idx, targets = torch.randint(0, 200, (2, 8)), torch.randint(0, 200, (2, 8))
-    targets[0, 3] = -1                                                  # ignored position
+    targets[0, 3] = -1  # ignored position
     logits, loss = model(idx, targets)
     ref = F.cross_entropy(logits[..., :200].flatten(0, 1), targets.flatten(), ignore_index=-1)
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
@@ -133,8 +150,19 @@ def test_tp1_loss_leaves_out_the_vocabulary_padding():
 CFG = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=4, n_embd=32, bias=True)
 # Qwen2: grouped-query attention (4 query heads reading 2 key/value heads: at TP=4 one of each per
 # rank), SwiGLU, RMSNorm, rotary positions, an untied head
-QWEN = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=8, n_kv_head=4, n_embd=32, intermediate_size=40,
-                 arch="qwen2", rope_theta=500.0, norm_eps=1e-6, tie_embeddings=False)
+QWEN = GPTConfig(
+    block_size=16,
+    vocab_size=500,
+    n_layer=2,
+    n_head=8,
+    n_kv_head=4,
+    n_embd=32,
+    intermediate_size=40,
+    arch="qwen2",
+    rope_theta=500.0,
+    norm_eps=1e-6,
+    tie_embeddings=False,
+)
 
 
 def _train_steps(model, steps=5, sp_grads=None):
@@ -168,11 +196,13 @@ def _shard_like(model_tp, name, full):
 
 
 def _model_tp_vs_single(rank, world, cfg=CFG, sp=False):
-    ref = GPT(cfg, seed=3)                                   # TP=1, every rank builds it
+    ref = GPT(cfg, seed=3)  # TP=1, every rank builds it
     ref_losses, ref_grads = _train_steps(ref)
     tp_model = GPT(cfg, comm_for(rank, world, sp=sp), seed=3)
-    init_equal = all(torch.equal(p, _shard_like(tp_model, n, q))
-                     for (n, p), q in zip(tp_model.named_parameters(), GPT(cfg, seed=3).parameters()))
+    init_equal = all(
+        torch.equal(p, _shard_like(tp_model, n, q))
+        for (n, p), q in zip(tp_model.named_parameters(), GPT(cfg, seed=3).parameters())
+    )
     losses, grads = _train_steps(tp_model, sp_grads=tp_model.comm)
     grad_pairs = {n: (g, _shard_like(tp_model, n, ref_grads[n])) for n, g in grads.items()}
     return init_equal, losses, ref_losses, grad_pairs
@@ -187,8 +217,8 @@ def test_model_tp_matches_single_rank(tp, family):
     for init_equal, losses, ref_losses, grads in (r[family] for r in tp[1]):
         assert init_equal
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)
-        assert losses == pytest.approx(ref_losses, rel=1e-5)        # the loss curve over 5 AdamW steps
-        assert losses[-1] < losses[0] - 0.01                        # and it is learning
+        assert losses == pytest.approx(ref_losses, rel=1e-5)  # the loss curve over 5 AdamW steps
+        assert losses[-1] < losses[0] - 0.01  # and it is learning
         for name, (g, ref) in grads.items():
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=name)
 
@@ -197,8 +227,11 @@ def _embedding_outputs(rank, world):
     """Rank 0's embedding output (the all-reduced lookup) with hint8 everywhere, with the embedding's
     all-reduce left uncompressed, and with nothing compressed."""
     out = {}
-    for name, kw in (("hint8", {}), ("embed none", {"embed_codec": "none"}), ("none", {"fwd_codec": "none",
-                                                                                      "bwd_codec": "none"})):
+    for name, kw in (
+        ("hint8", {}),
+        ("embed none", {"embed_codec": "none"}),
+        ("none", {"fwd_codec": "none", "bwd_codec": "none"}),
+    ):
         comm = comm_for(rank, world, **{"fwd_codec": "hint8", "bwd_codec": "hint8", **kw})
         model = GPT(CFG, comm, seed=3)
         seen = []
@@ -222,14 +255,22 @@ def _site_losses(rank, world):
     """The loss with hint8 everywhere but the sites (and the embedding) given their own codec, and
     which codec the attention and MLP layers choose."""
     out = {}
-    for name, sites in (("hint8", {}), ("attn hint6", {"attn": "hint6"}), ("attn none", {"attn": "none"}),
-                        ("exact sites", {"attn": "none", "mlp": "none"})):
+    for name, sites in (
+        ("hint8", {}),
+        ("attn hint6", {"attn": "hint6"}),
+        ("attn none", {"attn": "none"}),
+        ("exact sites", {"attn": "none", "mlp": "none"}),
+    ):
         comm = comm_for(rank, world, fwd_codec="hint8", bwd_codec="hint8", embed_codec="none", site_codecs=sites)
         model = GPT(CFG, comm, seed=3)
         x = torch.randint(0, CFG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
         probe = torch.zeros(1, 1, CFG.n_embd)
-        out[name] = (model(x, x)[1].item(), model.h[0].attn.proj.comm.codec_for(probe, "fwd"),
-                     model.h[0].mlp.fc.comm.codec_for(probe, "bwd"), model.h[0].attn.qkv.comm.stats is comm.stats)
+        out[name] = (
+            model(x, x)[1].item(),
+            model.h[0].attn.proj.comm.codec_for(probe, "fwd"),
+            model.h[0].mlp.fc.comm.codec_for(probe, "bwd"),
+            model.h[0].attn.qkv.comm.stats is comm.stats,
+        )
     comm = comm_for(rank, world, fwd_codec="hint8", bwd_codec="none", site_codecs={"attn": "hint6"})
     out["bwd none"] = GPT(CFG, comm, seed=3).h[0].attn.qkv.comm.codec_for(torch.zeros(1), "bwd")
     none = comm_for(rank, world, fwd_codec="none", bwd_codec="none")
@@ -250,21 +291,26 @@ def test_site_codecs_apply_to_their_block_part():
 
 # --- configuration checks ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(tp=2, pp=1, dp=1, world=4), "the world size 4 is not tp\\*pp\\*dp"),
-    (dict(tp=2, pp=1, world=3), "launch a multiple of tp\\*pp = 2 processes"),
-    (dict(tp=3, pp=1, dp=1, world=3, n_head=4), "n_head=4 is not divisible by tp=3"),
-    (dict(tp=1, pp=3, dp=1, world=3, n_layer=4), "n_layer=4 is not divisible by pp=3"),
-    (dict(tp=0, pp=1, dp=1, world=1), "must be a positive integer"),
-    (dict(tp=5, pp=1, dp=1, world=5, n_head=5, n_embd=80, vocab_size=50304), "vocabulary"),
-    (dict(tp=1, pp=2, world=2, schedule="zigzag"), "schedule='zigzag': choose 1f1b or gpipe"),
-])
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(tp=2, pp=1, dp=1, world=4), "the world size 4 is not tp\\*pp\\*dp"),
+        (dict(tp=2, pp=1, world=3), "launch a multiple of tp\\*pp = 2 processes"),
+        (dict(tp=3, pp=1, dp=1, world=3, n_head=4), "n_head=4 is not divisible by tp=3"),
+        (dict(tp=1, pp=3, dp=1, world=3, n_layer=4), "n_layer=4 is not divisible by pp=3"),
+        (dict(tp=0, pp=1, dp=1, world=1), "must be a positive integer"),
+        (dict(tp=5, pp=1, dp=1, world=5, n_head=5, n_embd=80, vocab_size=50304), "vocabulary"),
+        (dict(tp=1, pp=2, world=2, schedule="zigzag"), "schedule='zigzag': choose 1f1b or gpipe"),
+    ],
+)
 def test_bad_layouts_are_refused(kw, message):
     with pytest.raises(config.ConfigError, match=message):
         config.check_layout(**kw)
 
 
 # --- data parallelism -----------------------------------------------------------------------------
+
 
 def _dp_grads(rank, world):
     """Two DP ranks, each with half of a batch, average their gradients: the result must be the
@@ -277,15 +323,19 @@ def _dp_grads(rank, world):
     model(x[half], y[half])[1].backward()
     sync = data_parallel.DPGradSync(list(model.parameters()), dist.group.WORLD, world, bucket_numel=5000, overlap=False)
     sync.start(1)
-    sync.finish()                                 # every bucket after the backward
+    sync.finish()  # every bucket after the backward
     ref = GPT(CFG, seed=3)
     ref(x, y)[1].backward()
     return [(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
 
 
 def _dp_suite(rank, world):
-    return {"grads": _dp_grads(rank, world), "zero": _zero_vs_adamw(rank, world),
-            "overlap": _overlapped_dp(rank, world), "async": _async_all_reduce(rank, world)}
+    return {
+        "grads": _dp_grads(rank, world),
+        "zero": _zero_vs_adamw(rank, world),
+        "overlap": _overlapped_dp(rank, world),
+        "async": _async_all_reduce(rank, world),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +346,7 @@ def dp():
 
 def test_dp_gradient_averaging_equals_the_whole_batch(dp):
     for pairs in (r["grads"] for r in dp):
-        for g, ref in pairs:                      # small buckets: several all-reduces, big params alone
+        for g, ref in pairs:  # small buckets: several all-reduces, big params alone
             torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7)
 
 
@@ -307,11 +357,16 @@ def _zero_vs_adamw(rank, world):
     shapes = [(7, 5), (5,), (300,), (3, 3, 2)]
     ref = [torch.randn(s, generator=g, requires_grad=True) for s in shapes]
     ours = [p.detach().clone().requires_grad_() for p in ref]
-    opt = torch.optim.AdamW([{"params": [p for p in ref if p.dim() >= 2], "weight_decay": 0.1},
-                             {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0}], lr=1e-2)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in ref if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
     zero = data_parallel.ZeroAdamW(ours, grid, 1e-2, (0.9, 0.999), 1e-8, 0.1)
     for step in range(3):
-        grads = [torch.randn(s, generator=g) for s in shapes]     # the same on every rank
+        grads = [torch.randn(s, generator=g) for s in shapes]  # the same on every rank
         for p, q, gr in zip(ref, ours, grads):
             p.grad, q.grad = gr.clone(), gr.clone()
         opt.step()
@@ -324,7 +379,7 @@ def test_zero_adamw_is_adamw_with_a_sharded_state(dp):
     for ref, ours, state, n in (r["zero"] for r in dp):
         for a, b in zip(ref, ours):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
-        assert state == 256 and state < n                        # 1/dp of the 398 values, padded to a block
+        assert state == 256 and state < n  # 1/dp of the 398 values, padded to a block
 
 
 def _overlapped_dp(rank, world):
@@ -332,7 +387,7 @@ def _overlapped_dp(rank, world):
     net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
     params = list(net.parameters())
     sync = data_parallel.DPGradSync(params, dist.group.WORLD, world, bucket_numel=200)
-    sync.start(2)                                           # two micro-batches accumulate
+    sync.start(2)  # two micro-batches accumulate
     launched_before_finish = []
     for micro in range(2):
         x = torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * rank + micro))
@@ -368,7 +423,7 @@ def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradie
         def sum(self, x, direction, async_op=False):
             assert direction == "bwd" and async_op
             events.append("start")
-            x.mul_(2)                                    # a stand-in "sum over 2 identical ranks"
+            x.mul_(2)  # a stand-in "sum over 2 identical ranks"
             return Handle()
 
     g = torch.Generator().manual_seed(0)
@@ -390,7 +445,7 @@ def _async_all_reduce(rank, world):
     x = torch.arange(1000, dtype=torch.float32) * (rank + 1)
     h = taco.all_reduce(x, codec="hint8", async_op=True)
     h.wait()
-    h.wait()                                             # a second wait is a no-op
+    h.wait()  # a second wait is a no-op
     y = torch.arange(1000, dtype=torch.float32) * (rank + 1)
     return x, taco.all_reduce(y, codec="hint8")
 

@@ -1,5 +1,6 @@
 """What holds when things go wrong: a stalled rank, a kill during a checkpoint save, a damaged
 file, a second run into the same out_dir, a run killed between checkpoints (docs/RELIABILITY.md)."""
+
 import errno
 import json
 import os
@@ -9,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-
 from types import SimpleNamespace
 
 import pytest
@@ -48,9 +48,24 @@ def test_a_stalled_rank_stops_the_job_within_the_timeout(tmp_path):
     timeout = 5
     log, outfile = tmp_path / "log.jsonl", tmp_path / "output.txt"
     with open(outfile, "w") as sink:
-        p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py",
-                              *SHORT, "--tp=2", "--max_iters=100000", f"--timeout={timeout}", f"--out_dir={tmp_path}"],
-                             cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=sink, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                "train.py",
+                *SHORT,
+                "--tp=2",
+                "--max_iters=100000",
+                f"--timeout={timeout}",
+                f"--out_dir={tmp_path}",
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and (not log.exists() or log.read_text().count('"loss"') < 3):
@@ -60,7 +75,7 @@ def test_a_stalled_rank_stops_the_job_within_the_timeout(tmp_path):
         p.wait(timeout=timeout + 60)
         waited = time.time() - t0
     finally:
-        if p.poll() is None:                             # the test failed; leave nothing behind
+        if p.poll() is None:  # the test failed; leave nothing behind
             for c in _children(p.pid):
                 os.kill(c, signal.SIGKILL)
             p.kill()
@@ -75,8 +90,9 @@ def _state(out_dir):
     return torch.load(os.path.join(found, "tp0_pp0.pt"), weights_only=False)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
-                         ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)], ids=["SIGINT", "SIGTERM"]
+)
 def test_a_signal_saves_a_last_set_and_the_resume_is_bit_exact(tmp_path, sig):
     """Ctrl-C in a terminal: SIGINT reaches torchrun and both ranks at once (and torchrun passes it on
     again); SIGTERM (a scheduler): torchrun alone gets it and passes it on. Either way every rank
@@ -84,13 +100,29 @@ def test_a_signal_saves_a_last_set_and_the_resume_is_bit_exact(tmp_path, sig):
     continues bit for bit as a run never interrupted does."""
     a, b = tmp_path / "a", tmp_path / "b"
     common = SHORT + ["--tp=2", "--lr_decay_iters=100"]
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", *common,
-                          "--max_iters=100000", f"--out_dir={a}"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "train.py",
+            *common,
+            "--max_iters=100000",
+            f"--out_dir={a}",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and (not (a / "log.jsonl").exists() or
-                                          (a / "log.jsonl").read_text().count('"loss"') < 3):
+        while time.time() < deadline and (
+            not (a / "log.jsonl").exists() or (a / "log.jsonl").read_text().count('"loss"') < 3
+        ):
             time.sleep(0.1)
         os.killpg(p.pid, sig) if sig == signal.SIGINT else p.send_signal(sig)
         out = p.communicate(timeout=60)[0]
@@ -110,9 +142,11 @@ def test_a_signal_saves_a_last_set_and_the_resume_is_bit_exact(tmp_path, sig):
 def test_a_second_ctrl_c_ends_the_process_at_once():
     """The same Ctrl-C again within a second (the terminal's and torchrun's copy) only asks once; a
     second one later ends the process at once, with 128 + SIGINT."""
-    code = ("import os, signal, time, watchdog; stop = watchdog.Stop(True); os.kill(os.getpid(), signal.SIGINT); "
-            "os.kill(os.getpid(), signal.SIGINT); time.sleep(1.2); print('still here', flush=True); "
-            "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    code = (
+        "import os, signal, time, watchdog; stop = watchdog.Stop(True); os.kill(os.getpid(), signal.SIGINT); "
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(1.2); print('still here', flush=True); "
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"
+    )
     t0 = time.time()
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 128 + signal.SIGINT and time.time() - t0 < 20
@@ -123,8 +157,15 @@ def _run(out_dir, seed=0, run_id="a"):
     """What checkpoint.save and resume see of a run (one process; a tiny model)."""
     cfg = dict(train.DEFAULTS, out_dir=str(out_dir), n_layer=1, n_head=2, n_embd=32, block_size=32, seed=seed)
     model = GPT(checkpoint.model_config(cfg), seed=seed)
-    return SimpleNamespace(cfg=cfg, grid=parallel.Grid(), model=model, opt=torch.optim.AdamW(model.parameters()),
-                           run_id=run_id, dev="cpu", it0=0)
+    return SimpleNamespace(
+        cfg=cfg,
+        grid=parallel.Grid(),
+        model=model,
+        opt=torch.optim.AdamW(model.parameters()),
+        run_id=run_id,
+        dev="cpu",
+        it0=0,
+    )
 
 
 def _names(out, complete=True):
@@ -138,7 +179,7 @@ def test_resume_takes_the_newest_complete_set(tmp_path):
     checkpoint.save(r, 2)
     shutil.copytree(tmp_path / "ckpt" / "iter_00000002", tmp_path / "kept")
     checkpoint.save(r, 4)
-    assert _names(tmp_path) == ["iter_00000004"]                        # the older set is deleted
+    assert _names(tmp_path) == ["iter_00000004"]  # the older set is deleted
     shutil.copytree(tmp_path / "kept", tmp_path / "ckpt" / "iter_00000002")
     os.makedirs(tmp_path / "ckpt" / "iter_00000006")
     shutil.copy(tmp_path / "ckpt" / "iter_00000004" / "tp0_pp0.pt", tmp_path / "ckpt" / "iter_00000006")
@@ -154,6 +195,7 @@ def test_a_save_cut_short_keeps_the_previous_set(tmp_path, monkeypatch):
 
     def killed(folder, meta):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(checkpoint, "mark_complete", killed)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(r, 4)
@@ -171,8 +213,11 @@ def test_resume_checks_the_run_and_every_checksum(tmp_path):
     folder = mine / "ckpt" / "iter_00000004"
     f, good = folder / "tp0_pp0.pt", (folder / "tp0_pp0.pt").read_bytes()
     shutil.copy(other / "ckpt" / "iter_00000004" / "tp0_pp0.pt", f)
-    with pytest.raises(SystemExit, match=f"checkpoint file {f} does not match the checksum in COMPLETE: it comes "
-                                         f"from another run \\(b, this set's is a\\)"):
+    with pytest.raises(
+        SystemExit,
+        match=f"checkpoint file {f} does not match the checksum in COMPLETE: it comes "
+        f"from another run \\(b, this set's is a\\)",
+    ):
         checkpoint.resume(_run(mine))
     flipped = bytearray(good)
     flipped[len(good) // 2] ^= 1
@@ -193,7 +238,7 @@ def test_resume_checks_the_run_and_every_checksum(tmp_path):
         checkpoint.resume(_run(mine))
     with pytest.raises(SystemExit, match="none complete \\(cut short\\), so --overwrite starts over"):
         checkpoint.claim(str(mine), resume=False, overwrite=False, rank0=False)
-    checkpoint.claim(str(mine), resume=False, overwrite=True, rank0=True)      # the advice is taken
+    checkpoint.claim(str(mine), resume=False, overwrite=True, rank0=True)  # the advice is taken
     checkpoint._release(os.path.join(mine, "LOCK"), f"{socket.gethostname()} {os.getpid()}")
     assert _names(mine, False) == []
 
@@ -203,8 +248,8 @@ def test_resume_after_a_kill_between_checkpoints_logs_each_step_once(tmp_path):
     drops the steps after the checkpoint and logs them again, once, in windows that line up."""
     out = str(tmp_path)
     args = SHORT + ["--log_interval=2", f"--out_dir={out}"]
-    run(args + ["--max_iters=3"])                                            # checkpoint at 3
-    run(args + ["--max_iters=5", "--ckpt_interval=-1", "--resume"])          # steps 4, 5: no checkpoint
+    run(args + ["--max_iters=3"])  # checkpoint at 3
+    run(args + ["--max_iters=5", "--ckpt_interval=-1", "--resume"])  # steps 4, 5: no checkpoint
     p = run(args + ["--max_iters=8", "--resume"])
     assert "iteration 3" in p.stdout
     rows = [json.loads(ln) for ln in open(os.path.join(out, "log.jsonl"))]
@@ -217,7 +262,7 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path):
     run(SHORT + ["--max_iters=1", f"--out_dir={out}"])
     p = run(SHORT + ["--max_iters=1", f"--out_dir={out}"], check=False)
     assert p.returncode != 0 and "holds another run's checkpoints" in p.stdout + p.stderr
-    run(SHORT + ["--max_iters=1", f"--out_dir={out}", "--overwrite"])       # explicit: starts over
+    run(SHORT + ["--max_iters=1", f"--out_dir={out}", "--overwrite"])  # explicit: starts over
     # a run in progress holds LOCK: a live process on this host refuses, a dead one is taken over
     lock = os.path.join(out, "LOCK")
     with open(lock, "w") as f:
@@ -244,8 +289,11 @@ def test_a_resume_takes_only_the_out_dirs_own_run(tmp_path):
     checkpoint.save(_run(other, seed=1, run_id="b"), 6)
     foreign = mine / "ckpt" / "iter_00000006"
     shutil.copytree(other / "ckpt" / "iter_00000006", foreign)
-    with pytest.raises(SystemExit, match=f"the newest set {foreign} is of run b, not of {mine}'s own run a "
-                                         f"\\(its RUN\\): take it on purpose with --resume_from={foreign}"):
+    with pytest.raises(
+        SystemExit,
+        match=f"the newest set {foreign} is of run b, not of {mine}'s own run a "
+        f"\\(its RUN\\): take it on purpose with --resume_from={foreign}",
+    ):
         checkpoint.resume(_run(mine))
     r = _run(mine)
     r.cfg["resume_from"] = str(foreign)
@@ -261,19 +309,31 @@ def _agreement(rank, world, folder, iters):
     """Rank r resumes from a set whose file for r says iteration iters[r] (each file's checksum right)."""
     cfg = dict(train.DEFAULTS, out_dir=folder, n_layer=1, n_head=2, n_embd=32, block_size=32, tp=world)
     grid = parallel.Grid(rank=rank, world=world, tp=world, tp_rank=rank)
-    model = GPT(checkpoint.model_config(cfg), parallel.TPComm(group=torch.distributed.group.WORLD, size=world,
-                                                             rank=rank), seed=0)
+    model = GPT(
+        checkpoint.model_config(cfg),
+        parallel.TPComm(group=torch.distributed.group.WORLD, size=world, rank=rank),
+        seed=0,
+    )
     r = SimpleNamespace(cfg=cfg, grid=grid, model=model, opt=torch.optim.AdamW(model.parameters()), dev="cpu")
     ckpt = os.path.join(folder, "ckpt", "iter_00000004")
     os.makedirs(ckpt, exist_ok=True)
-    sha = checkpoint.write_file({"model": model.state_dict(), "optimizer": r.opt.state_dict(), "iter": iters[rank],
-                                 "config": cfg, "layout": [world, 1], "run_id": "a"},
-                                os.path.join(ckpt, f"tp{rank}_pp0.pt"))
+    sha = checkpoint.write_file(
+        {
+            "model": model.state_dict(),
+            "optimizer": r.opt.state_dict(),
+            "iter": iters[rank],
+            "config": cfg,
+            "layout": [world, 1],
+            "run_id": "a",
+        },
+        os.path.join(ckpt, f"tp{rank}_pp0.pt"),
+    )
     every = [None] * world
     torch.distributed.all_gather_object(every, (f"tp{rank}_pp0.pt", sha))
     if rank == 0:
-        checkpoint.mark_complete(ckpt, {"iter": 4, "tp": world, "pp": 1, "dp": 1, "zero1": False, "run_id": "a",
-                                        "files": dict(every)})
+        checkpoint.mark_complete(
+            ckpt, {"iter": 4, "tp": world, "pp": 1, "dp": 1, "zero1": False, "run_id": "a", "files": dict(every)}
+        )
     torch.distributed.barrier()
     try:
         return checkpoint.resume(r) and f"resumed at {r.it0}"
@@ -285,6 +345,7 @@ def test_ranks_that_load_different_iterations_refuse_to_resume(tmp_path):
     """Two TP ranks whose files (each matching its checksum) hold iterations 4 and 5: both refuse,
     naming the disagreement; with the same iteration both resume."""
     from launcher import run_ranks
+
     bad = run_ranks(_agreement, 2, str(tmp_path / "bad"), [4, 5])
     assert all("the ranks' checkpoint files disagree" in m for m in bad), bad
     assert run_ranks(_agreement, 2, str(tmp_path / "good"), [4, 4]) == ["resumed at 4"] * 2
@@ -313,15 +374,20 @@ def test_os_errors_are_one_line_naming_the_path_and_the_fix(tmp_path, monkeypatc
     def full(obj, path):
         open(path, "wb").close()
         raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file")
+
     monkeypatch.setattr(torch, "save", full)
-    with pytest.raises(SystemExit, match="cannot write the checkpoint .* free space or choose another --out_dir; "
-                                         "the previous complete set is kept"):
+    with pytest.raises(
+        SystemExit,
+        match="cannot write the checkpoint .* free space or choose another --out_dir; "
+        "the previous complete set is kept",
+    ):
         checkpoint.save(r, 4)
     monkeypatch.undo()
     assert _names(tmp_path) == ["iter_00000002"] and not list((tmp_path / "ckpt").glob("*/*.tmp"))
 
     def read_only(path, *a, **kw):
         raise OSError(errno.EROFS, "Read-only file system", path)
+
     monkeypatch.setattr(os, "makedirs", read_only)
     with pytest.raises(SystemExit, match=f"{tmp_path / 'ro'}: cannot claim the out_dir: the file system is read-only"):
         checkpoint.claim(str(tmp_path / "ro"), resume=False, overwrite=False, rank0=True)
@@ -330,11 +396,12 @@ def test_os_errors_are_one_line_naming_the_path_and_the_fix(tmp_path, monkeypatc
         checkpoint.claim(str(tmp_path / ("x" * 300)), resume=False, overwrite=False, rank0=True)
     (tmp_path / "afile").write_text("")
     import sample
+
     with pytest.raises(SystemExit, match="afile is a file: export writes a folder"):
         sample.cli(["export", os.path.join(ROOT, "tests", "fixtures", "hf_qwen2_tied"), str(tmp_path / "afile")])
     lock = tmp_path / "locked" / "LOCK"
     lock.parent.mkdir()
-    lock.write_text("")                                           # a claim cut short by a full disk
+    lock.write_text("")  # a claim cut short by a full disk
     checkpoint.claim(str(lock.parent), resume=False, overwrite=False, rank0=True)
     me = f"{socket.gethostname()} {os.getpid()}"
     assert lock.read_text() == me and not list(lock.parent.glob("LOCK.*"))
@@ -348,10 +415,25 @@ def test_init_from_weights_of_the_wrong_shape_end_without_a_traceback(tmp_path):
     c = json.load(open(src / "config.json"))
     json.dump(dict(c, intermediate_size=40), open(src / "config.json", "w"))
     from test_cli import _tiny_vocab_data
+
     _tiny_vocab_data(str(tmp_path / "tiny"), 300)
-    p = run(TINY + ["--arch=qwen2", "--vocab_size=300", "--n_head=4", "--intermediate_size=40", "--norm_eps=1e-6",
-                    "--rope_theta=1000.0", "--max_iters=1", f"--init_from={src}", f"--out_dir={tmp_path / 'out'}",
-                    "--dataset=tiny", f"--data_dir={tmp_path}"], check=False)
+    p = run(
+        TINY
+        + [
+            "--arch=qwen2",
+            "--vocab_size=300",
+            "--n_head=4",
+            "--intermediate_size=40",
+            "--norm_eps=1e-6",
+            "--rope_theta=1000.0",
+            "--max_iters=1",
+            f"--init_from={src}",
+            f"--out_dir={tmp_path / 'out'}",
+            "--dataset=tiny",
+            f"--data_dir={tmp_path}",
+        ],
+        check=False,
+    )
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
     assert f"--init_from={src}: h.0.mlp.fc.weight: the weights hold shape (96, 32)" in out, out[-2000:]

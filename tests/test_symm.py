@@ -3,6 +3,7 @@ bits as the torch.distributed path, identical on every rank, across changing siz
 collectives, async handles and CUDA-graph replay. Needs 2 GPUs with peer access (NCCL ranks);
 one GPU runs the workspace's single binding call on a 1-rank group, and two ranks (barriers
 included) in one process; on CPU only the transport choice is tested (gloo)."""
+
 import time
 
 import pytest
@@ -33,22 +34,30 @@ def _fingerprint(x):
 
 def _symm_cases(rank, world):
     taco_ext.load()
-    out, fps = {}, []                 # fps: fingerprints of results, compared across ranks at the end
+    out, fps = {}, []  # fps: fingerprints of results, compared across ranks at the end
     # 1. all_reduce: symm == dist bit for bit; changing sizes (odd, growing, shrinking), codecs, dtypes
-    cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 1000003, torch.bfloat16), ("hint6", 777, torch.float32),
-             ("hint8", 3 << 22, torch.bfloat16), ("taco-e5m2", 5000, torch.float16), ("hint8", 256, torch.float32)]
+    cases = [
+        ("hint8", 1 << 20, torch.bfloat16),
+        ("taco", 1000003, torch.bfloat16),
+        ("hint6", 777, torch.float32),
+        ("hint8", 3 << 22, torch.bfloat16),
+        ("taco-e5m2", 5000, torch.float16),
+        ("hint8", 256, torch.float32),
+    ]
     for i, (codec, n, dtype) in enumerate(cases):
         x = _data(n, dtype, i, rank)
         a, b = x.clone(), x.clone()
         sa, sb = runlog.CommStats(), runlog.CommStats()
         taco.all_reduce(a, codec=codec, transport="dist", stats=sa)
         taco.all_reduce(b, codec=codec, transport="symm", stats=sb)
-        out[f"ar {codec} {n} {dtype}"] = (torch.equal(a.view(torch.uint8), b.view(torch.uint8)),
-                                          sa.wire_bytes == sb.wire_bytes)
+        out[f"ar {codec} {n} {dtype}"] = (
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)),
+            sa.wire_bytes == sb.wire_bytes,
+        )
         fps.append(_fingerprint(b))
     # a non-contiguous tensor (its flat copy is reduced and written back)
     x = _data(2 * 5000, torch.bfloat16, 8, rank).view(5000, 2).t()
-    a, b = x.clone(), x.clone()                      # clone keeps the strides: both non-contiguous
+    a, b = x.clone(), x.clone()  # clone keeps the strides: both non-contiguous
     taco.all_reduce(a, codec="hint8", transport="dist")
     taco.all_reduce(b, codec="hint8", transport="symm")
     out["ar non-contiguous"] = (not b.is_contiguous() and torch.equal(a, b), True)
@@ -73,13 +82,13 @@ def _symm_cases(rank, world):
     ref = x.clone()
     taco.all_reduce(ref, codec="hint8", transport="symm")
     h = taco.all_reduce(x, codec="hint8", transport="symm", async_op=True)
-    w = torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda")   # meanwhile
+    w = torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda")  # meanwhile
     h.wait()
     out["async"] = torch.equal(x, ref) and bool(torch.isfinite(w).all())
     # 5. CUDA graph: two all-reduces captured once, replayed with new inputs each time
     n = 1 << 18
     static = [torch.zeros(n, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    for s in static:                                          # warm-up: the buffer is big enough
+    for s in static:  # warm-up: the buffer is big enough
         taco.all_reduce(s, codec="hint8", transport="symm")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -145,35 +154,40 @@ def _one_rank_cases(rank, world):
     """On a 1-rank group (taco.all_reduce itself returns at once there), the workspace's
     all-reduce against _codec_steps."""
     import taco_symm
+
     taco_ext.load()
     ws = taco_symm.Workspace(None, torch.device("cuda", 0))
     same = lambda u, v: torch.equal(_fingerprint(u), _fingerprint(v))
     out = {}
-    for codec, n, dtype in (("hint8", 1 << 20, torch.bfloat16), ("taco", 100_001, torch.float32),
-                            ("hint6", 3 * 4096 + 7, torch.float16), ("hint8", 1 << 22, torch.bfloat16),
-                            ("hint8", 1000, torch.bfloat16)):
+    for codec, n, dtype in (
+        ("hint8", 1 << 20, torch.bfloat16),
+        ("taco", 100_001, torch.float32),
+        ("hint6", 3 * 4096 + 7, torch.float16),
+        ("hint8", 1 << 22, torch.bfloat16),
+        ("hint8", 1000, torch.bfloat16),
+    ):
         cd = taco.get_codec(codec)
         x = _data(n, dtype, 3, 0)
         x[n // 2] = float("nan")
         ref = _codec_steps(cd, [x])
         a, b, c = x.clone(), x.clone(), x.clone()
-        ws.two_shot(a, cd, None, async_op=False)           # captured as a graph, which runs
+        ws.two_shot(a, cd, None, async_op=False)  # captured as a graph, which runs
         h = ws.two_shot(b, cd, None, async_op=True)
         h.wait()
         ok = same(a, ref) and same(b, ref)
         a.copy_(x)
-        ws.two_shot(a, cd, None, async_op=False)           # the graph replayed
-        taco_ext.two_shot_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)   # five launches
+        ws.two_shot(a, cd, None, async_op=False)  # the graph replayed
+        taco_ext.two_shot_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)  # five launches
         out[f"{codec} {n} {dtype}"] = (ok, same(a, ref) and same(c, ref))
     cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
-    a, b = x.clone(), y.clone()                          # an eager call while an async one is unfinished: in order
+    a, b = x.clone(), y.clone()  # an eager call while an async one is unfinished: in order
     h = ws.two_shot(a, cd, None, async_op=True)
     ws.two_shot(b, cd, None, async_op=False)
     h.wait()
     out["async, then eager before its wait"] = (same(a, _codec_steps(cd, [x])), same(b, _codec_steps(cd, [y])))
     x = _data(1 << 16, torch.bfloat16, 4, 0)
     s, graph = x.clone(), torch.cuda.CUDAGraph()
-    ws.two_shot(s, cd, None, async_op=False)           # once before capturing (the plan)
+    ws.two_shot(s, cd, None, async_op=False)  # once before capturing (the plan)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         ws.two_shot(s, cd, None, async_op=True).wait()
@@ -201,15 +215,21 @@ def test_two_ranks_on_one_gpu():
     replayed) and as five launches; rank 0 waits at the barrier until rank 1 comes; every flag is
     lowered again, so calls repeat."""
     import taco_symm
+
     taco_ext.load()
     W = 2
     bufs = [torch.zeros(1 << 23, dtype=torch.uint8, device="cuda") for _ in range(W)]
-    pad_mem = [torch.zeros(2 * W, dtype=torch.int32, device="cuda") for _ in range(W)]   # channels 0, 1
+    pad_mem = [torch.zeros(2 * W, dtype=torch.int32, device="cuda") for _ in range(W)]  # channels 0, 1
     pads = taco_ext.signal_pads([p.data_ptr() for p in pad_mem])
     streams = [torch.cuda.Stream() for _ in range(W)]
     sides = [(s.stream_id, s.device_index, s.device_type) for s in streams]
-    cases = [("hint8", 1 << 20, torch.bfloat16), ("taco", 100_001, torch.float32), ("hint6", 3 * 4096 + 7,
-             torch.float16), ("hint8", 1 << 20, torch.bfloat16), ("hint8", 1000, torch.bfloat16)]
+    cases = [
+        ("hint8", 1 << 20, torch.bfloat16),
+        ("taco", 100_001, torch.float32),
+        ("hint6", 3 * 4096 + 7, torch.float16),
+        ("hint8", 1 << 20, torch.bfloat16),
+        ("hint8", 1000, torch.bfloat16),
+    ]
     for i, (codec, n, dtype) in enumerate(cases):
         cd = taco.get_codec(codec)
         xs = [_data(n, dtype, i, r) for r in range(W)]
@@ -235,8 +255,12 @@ def test_two_ranks_on_one_gpu():
 
 def _transport_choice(rank, world):
     x = torch.ones(4096)
-    res = {"auto": torch.equal(taco.all_reduce(x.clone(), codec="hint8", transport="auto"),
-                               taco.all_reduce(x.clone(), codec="hint8", transport="dist"))}
+    res = {
+        "auto": torch.equal(
+            taco.all_reduce(x.clone(), codec="hint8", transport="auto"),
+            taco.all_reduce(x.clone(), codec="hint8", transport="dist"),
+        )
+    }
     try:
         taco.all_reduce(x.clone(), codec="hint8", transport="symm")
         res["symm"] = "no error"

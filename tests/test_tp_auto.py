@@ -1,5 +1,6 @@
 """tp_codec=auto (tp_auto.py): the decision from timings (injected here), the timing harness on
 gloo (every rank gets the same numbers), and what auto means without GPUs."""
+
 import pytest
 import torch
 
@@ -10,13 +11,18 @@ from launcher import run_ranks
 from test_parallel import comm_for
 
 
-@pytest.mark.parametrize("times, want", [
-    ({"fwd": {"none": 1.0, "hint8": 0.80}, "bwd": {"none": 1.0, "hint8": 0.80}}, {"fwd": "hint8", "bwd": "hint8"}),
-    ({"fwd": {"none": 1.0, "hint8": 0.99}, "bwd": {"none": 1.0, "hint8": 1.20}}, {"fwd": "none", "bwd": "none"}),
-    ({"fwd": {"none": 1.0, "hint8": 0.90, "hint6": 0.70}, "bwd": {"none": 0.2, "hint8": 0.5, "hint6": 0.4}},
-     {"fwd": "hint6", "bwd": "none"}),
-    ({"fwd": {"none": 1.0, "hint8": 0.96}, "bwd": {"none": 1.0, "hint8": 0.97}}, {"fwd": "hint8", "bwd": "none"}),
-])
+@pytest.mark.parametrize(
+    "times, want",
+    [
+        ({"fwd": {"none": 1.0, "hint8": 0.80}, "bwd": {"none": 1.0, "hint8": 0.80}}, {"fwd": "hint8", "bwd": "hint8"}),
+        ({"fwd": {"none": 1.0, "hint8": 0.99}, "bwd": {"none": 1.0, "hint8": 1.20}}, {"fwd": "none", "bwd": "none"}),
+        (
+            {"fwd": {"none": 1.0, "hint8": 0.90, "hint6": 0.70}, "bwd": {"none": 0.2, "hint8": 0.5, "hint6": 0.4}},
+            {"fwd": "hint6", "bwd": "none"},
+        ),
+        ({"fwd": {"none": 1.0, "hint8": 0.96}, "bwd": {"none": 1.0, "hint8": 0.97}}, {"fwd": "hint8", "bwd": "none"}),
+    ],
+)
 def test_decide_takes_the_fastest_only_beyond_the_margin(times, want):
     """A codec wins a direction only if it beats `none` by more than tp_auto.MARGIN (3%): `auto` is
     never slower than uncompressed beyond timing noise, and each direction decides alone."""
@@ -40,7 +46,7 @@ def test_auto_without_gpus_is_none_and_is_a_valid_setting():
     comm = comm_for(0, 1, fwd_codec="auto", bwd_codec="auto")
     decision = tp_auto.choose(comm, 1 << 20, 64, torch.float32, torch.device("cpu"))
     assert (comm.fwd_codec, comm.bwd_codec) == ("none", "none") and "no GPU" in decision["why"]
-    comm = comm_for(0, 1, fwd_codec="auto", bwd_codec="hint6")       # a direction given explicitly stays
+    comm = comm_for(0, 1, fwd_codec="auto", bwd_codec="hint6")  # a direction given explicitly stays
     tp_auto.choose(comm, 1 << 20, 64, torch.float32, torch.device("cpu"))
     assert (comm.fwd_codec, comm.bwd_codec) == ("none", "hint6")
     config.check(config.parse(train.DEFAULTS, ["--tp_codec=auto", "--tp_auto_bits=6"]), 1)

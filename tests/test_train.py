@@ -1,5 +1,6 @@
 """train.py end to end on the small real-text dataset: compressed TP training tracks the
 uncompressed curve, checkpoint/resume is bit-exact, bad configurations are refused clearly."""
+
 import json
 import os
 import subprocess
@@ -12,8 +13,17 @@ import checkpoint
 from launcher import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
-        "--eval_iters=2", "--progress=False", "--sample_tokens=0", "--log_interval=1"]
+TINY = [
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=4",
+    "--eval_iters=2",
+    "--progress=False",
+    "--sample_tokens=0",
+    "--log_interval=1",
+]
 
 
 def run(args, nproc=1, check=True, module=None):
@@ -36,12 +46,22 @@ def test_compressed_tp2_tracks_uncompressed(tmp_path):
     curves = {}
     for codec in ("none", "taco", "hint8"):
         out = str(tmp_path / codec)
-        run(TINY + ["--tp=2", f"--tp_codec={codec}", "--max_iters=40", "--eval_interval=40",
-                    "--taco_min_bytes=0", f"--out_dir={out}"], nproc=2)
+        run(
+            TINY
+            + [
+                "--tp=2",
+                f"--tp_codec={codec}",
+                "--max_iters=40",
+                "--eval_interval=40",
+                "--taco_min_bytes=0",
+                f"--out_dir={out}",
+            ],
+            nproc=2,
+        )
         curves[codec] = losses(out)[0]
         with open(os.path.join(out, "log.jsonl")) as f:
             ratio = next(r for r in map(json.loads, f) if "tp_ratio" in r)["tp_ratio"]
-        assert ratio > 3.5 if codec != "none" else ratio == 1.0     # fp32 on CPU: 4 bytes -> ~1.02
+        assert ratio > 3.5 if codec != "none" else ratio == 1.0  # fp32 on CPU: 4 bytes -> ~1.02
     base = curves["none"]
     assert len(base) == 40 and base[-1] < base[0] - 2.0
     for codec in ("taco", "hint8"):
@@ -49,11 +69,12 @@ def test_compressed_tp2_tracks_uncompressed(tmp_path):
         assert dev < 0.05, (codec, dev)
 
 
-@pytest.mark.parametrize("max_norm", [0.5, 1e6])           # clipped, and a norm under the limit
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])  # clipped, and a norm under the limit
 def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
     """A fused AdamW takes the clip as its grad_scale (the gradients divided as it reads them):
     the same update as scaling the gradients first, to fp32 rounding."""
     import train
+
     grid = train.parallel.Grid(tp=1, pp=1, dp=1)
     torch.manual_seed(0)
     ps = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True)]
@@ -72,7 +93,7 @@ def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
     fused.step()
     for p, q, b in zip(ps, qs, before):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
-        assert (p - b).abs().max() > 1e-5                 # the step moved them
+        assert (p - b).abs().max() > 1e-5  # the step moved them
 
 
 @pytest.mark.parametrize("zero", [False, True, pytest.param("qwen2", marks=pytest.mark.slow)])
@@ -80,12 +101,18 @@ def test_resume_is_bit_exact(tmp_path, zero):
     """6 steps in one go == 3 steps, stop, resume, 3 more; also with ZeRO-1 over dp=2 (each DP rank
     saves and reloads its own optimizer shard), and a Qwen2 model at TP=2 x PP=2 (untied head)."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    extra, nproc = {False: ([], 1), True: (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2),
-                    "qwen2": (["--arch=qwen2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2)}[zero]
+    extra, nproc = {
+        False: ([], 1),
+        True: (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2),
+        "qwen2": (["--arch=qwen2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2),
+    }[zero]
     common = TINY + extra + ["--max_iters=6", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6"]
     run(common + [f"--out_dir={a}"], nproc=nproc)
-    run(common[:-3] + ["--max_iters=3", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6",
-                       f"--out_dir={b}"], nproc=nproc)
+    run(
+        common[:-3]
+        + ["--max_iters=3", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6", f"--out_dir={b}"],
+        nproc=nproc,
+    )
     run(common + [f"--out_dir={b}", "--resume"], nproc=nproc)
     name = {False: "tp0_pp0.pt", True: "tp0_pp0_dp1.pt", "qwen2": "tp0_pp1.pt"}[zero]
     ca = torch.load(os.path.join(checkpoint.sets(a)[-1], name), weights_only=False)
@@ -98,59 +125,68 @@ def test_resume_is_bit_exact(tmp_path, zero):
         assert torch.equal(ca["optimizer"]["m"], cb["optimizer"]["m"]) and ca["optimizer"]["dp"] == [2, 1]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tp=2"], "the world size 1 is not tp*pp*dp"),
-    (["--no_such_key=1"], "unknown setting 'no_such_key'"),
-    (["--max_iters=ten"], "--max_iters=ten: expected int"),
-    (["--tp_codec=fp4"], "tp_codec='fp4' is not a codec"),
-    (["--dataset=nowhere"], "python data/prepare.py nowhere"),
-    (["configs/missing.py"], "config file configs/missing.py not found"),
-    (["configs"], "configs is a directory, not a config file"),
-    (["--out_dir=README.md"], "out_dir='README.md' is a file, not a folder"),
-    (["--zero1=True"], "but dp=1: launch 2 processes (dp=2) or set zero1=False"),
-    (["--zero_codec=hint4"], "set zero1=True too"),
-    (["--pp_codec=zstd"], "pp_codec='zstd' is not a codec"),
-    (["--tp_codec_embed=auto"], "tp_codec_embed='auto' is not a codec"),
-    (["--tp_codec_mlp=auto"], "tp_codec_mlp='auto' is not a codec"),
-    (["--tp_transport=nvlink"], "tp_transport='nvlink': choose one of auto, dist, symm"),
-    (["--tp_transport=symm", "--device=cpu"], "tp_transport='symm' needs GPUs"),
-    (["--pp=2", "--schedule=zigzag"], "schedule='zigzag': choose one of 1f1b, gpipe"),
-    # every value outside its range
-    (["--dtype=float16"], "dtype='float16': choose one of auto, float32, bfloat16"),
-    (["--device=gpu"], "device='gpu': choose one of auto, cpu, cuda"),
-    (["--block_size=0"], "block_size=0 must be >= 1"),
-    (["--max_iters=-5"], "max_iters=-5 must be >= 1"),
-    (["--batch_size=-4"], "batch_size=-4 must be >= 1"),
-    (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be >= 1"),
-    (["--log_interval=0"], "log_interval=0 must be >= 1"),
-    (["--n_layer=0"], "n_layer=0 must be >= 1"),
-    (["--taco_chunks=0"], "taco_chunks=0 must be >= 1"),
-    (["--eval_iters=0"], "eval_iters=0 with eval_interval > 0"),
-    (["--codec_block=100"], "codec_block=100 must be a power of two"),
-    (["--tp_codec="], "tp_codec='' is not a codec"),
-    (["--dropout=1.5"], "dropout=1.5 must be in [0, 1)"),
-    (["--dropout=1.0"], "dropout=1.0 must be in [0, 1)"),
-    (["--beta1=1.0"], "beta1=1.0 must be in [0, 1)"),
-    (["--beta2=1.0"], "beta2=1.0 must be in [0, 1)"),
-    (["--timeout=0"], "timeout=0 must be >= 1"),
-    # the Qwen2 family's heads: whole key/value heads per TP rank, whole query groups per key/value head
-    (["--arch=llama"], "arch='llama': choose one of gpt2, qwen2"),
-    (["--arch=qwen2", "--n_head=4", "--n_kv_head=3"], "n_head=4 is not a multiple of n_kv_head=3"),
-    (["--arch=qwen2", "--tp=2", "--n_head=4", "--n_kv_head=1"], "n_kv_head=1 is not divisible by tp=2"),
-    (["--arch=qwen2", "--tp=4", "--n_head=6", "--n_kv_head=2", "--n_embd=96"], "n_head=6 is not divisible by tp=4"),
-    (["--arch=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
-    (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
-    (["--block_size=50000"], "one micro-batch's logits alone need 299.8 GiB (batch_size=16 x block_size=50000 x "
-                             "50304 vocabulary columns x 8 bytes)"),
-    (["--resume_from=out/x/ckpt/iter_00000004"], "needs --resume and a complete checkpoint set"),
-    (["--init_from=tests/fixtures/hf_qwen2_untied"], "holds a qwen2 model these settings do not describe: pass "
-                                                     "--arch=qwen2 --vocab_size=300"),
-    (["--init_from=tests"], "--init_from=tests: tests has no config.json"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp=2"], "the world size 1 is not tp*pp*dp"),
+        (["--no_such_key=1"], "unknown setting 'no_such_key'"),
+        (["--max_iters=ten"], "--max_iters=ten: expected int"),
+        (["--tp_codec=fp4"], "tp_codec='fp4' is not a codec"),
+        (["--dataset=nowhere"], "python data/prepare.py nowhere"),
+        (["configs/missing.py"], "config file configs/missing.py not found"),
+        (["configs"], "configs is a directory, not a config file"),
+        (["--out_dir=README.md"], "out_dir='README.md' is a file, not a folder"),
+        (["--zero1=True"], "but dp=1: launch 2 processes (dp=2) or set zero1=False"),
+        (["--zero_codec=hint4"], "set zero1=True too"),
+        (["--pp_codec=zstd"], "pp_codec='zstd' is not a codec"),
+        (["--tp_codec_embed=auto"], "tp_codec_embed='auto' is not a codec"),
+        (["--tp_codec_mlp=auto"], "tp_codec_mlp='auto' is not a codec"),
+        (["--tp_transport=nvlink"], "tp_transport='nvlink': choose one of auto, dist, symm"),
+        (["--tp_transport=symm", "--device=cpu"], "tp_transport='symm' needs GPUs"),
+        (["--pp=2", "--schedule=zigzag"], "schedule='zigzag': choose one of 1f1b, gpipe"),
+        # every value outside its range
+        (["--dtype=float16"], "dtype='float16': choose one of auto, float32, bfloat16"),
+        (["--device=gpu"], "device='gpu': choose one of auto, cpu, cuda"),
+        (["--block_size=0"], "block_size=0 must be >= 1"),
+        (["--max_iters=-5"], "max_iters=-5 must be >= 1"),
+        (["--batch_size=-4"], "batch_size=-4 must be >= 1"),
+        (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be >= 1"),
+        (["--log_interval=0"], "log_interval=0 must be >= 1"),
+        (["--n_layer=0"], "n_layer=0 must be >= 1"),
+        (["--taco_chunks=0"], "taco_chunks=0 must be >= 1"),
+        (["--eval_iters=0"], "eval_iters=0 with eval_interval > 0"),
+        (["--codec_block=100"], "codec_block=100 must be a power of two"),
+        (["--tp_codec="], "tp_codec='' is not a codec"),
+        (["--dropout=1.5"], "dropout=1.5 must be in [0, 1)"),
+        (["--dropout=1.0"], "dropout=1.0 must be in [0, 1)"),
+        (["--beta1=1.0"], "beta1=1.0 must be in [0, 1)"),
+        (["--beta2=1.0"], "beta2=1.0 must be in [0, 1)"),
+        (["--timeout=0"], "timeout=0 must be >= 1"),
+        # the Qwen2 family's heads: whole key/value heads per TP rank, whole query groups per key/value head
+        (["--arch=llama"], "arch='llama': choose one of gpt2, qwen2"),
+        (["--arch=qwen2", "--n_head=4", "--n_kv_head=3"], "n_head=4 is not a multiple of n_kv_head=3"),
+        (["--arch=qwen2", "--tp=2", "--n_head=4", "--n_kv_head=1"], "n_kv_head=1 is not divisible by tp=2"),
+        (["--arch=qwen2", "--tp=4", "--n_head=6", "--n_kv_head=2", "--n_embd=96"], "n_head=6 is not divisible by tp=4"),
+        (["--arch=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
+        (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
+        (
+            ["--block_size=50000"],
+            "one micro-batch's logits alone need 299.8 GiB (batch_size=16 x block_size=50000 x "
+            "50304 vocabulary columns x 8 bytes)",
+        ),
+        (["--resume_from=out/x/ckpt/iter_00000004"], "needs --resume and a complete checkpoint set"),
+        (
+            ["--init_from=tests/fixtures/hf_qwen2_untied"],
+            "holds a qwen2 model these settings do not describe: pass --arch=qwen2 --vocab_size=300",
+        ),
+        (["--init_from=tests"], "--init_from=tests: tests has no config.json"),
+    ],
+)
 def test_bad_config_is_refused_before_launch(args, message):
     """train.py's own checks, in this process (what train.main runs before anything starts)."""
     import config
     import train
+
     world = 4 if "--tp=4" in args else 2 if "--pp=2" in args or {"--tp=2", "--arch=qwen2"} <= set(args) else 1
     with pytest.raises(config.ConfigError) as e:
         config.check(config.parse(train.DEFAULTS, args), world)
@@ -165,17 +201,33 @@ def test_a_refused_config_ends_the_process_with_its_message():
 def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_path):
     """Two ranks refuse alike: rank 0 says why, once, with no traceback of ours, and its message is the
     root cause in torchrun's summary; the other rank ends quietly."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py", "--tp=3",
-                        f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "train.py",
+            "--tp=3",
+            f"--out_dir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     said = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("config error: the world size 2")]
     assert p.returncode != 0 and len(said) == 1, p.stdout + p.stderr
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 1" in p.stderr.split("Root Cause")[1]
-    assert "traceback : config error: the world size 2" in p.stderr and "train.py\", line" not in p.stderr
+    assert "traceback : config error: the world size 2" in p.stderr and 'train.py", line' not in p.stderr
 
 
 def test_nan_loss_stops_the_run(tmp_path):
-    p = run(TINY + ["--max_iters=5", "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0",
-                    f"--out_dir={tmp_path}"], check=False)
+    p = run(
+        TINY
+        + ["--max_iters=5", "--learning_rate=1e30", "--warmup_iters=0", "--grad_clip=0.0", f"--out_dir={tmp_path}"],
+        check=False,
+    )
     assert p.returncode != 0 and "loss is nan" in (p.stderr + p.stdout).lower()
 
 
@@ -183,21 +235,29 @@ def test_nan_loss_stops_the_run(tmp_path):
 def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     """--compile=True with TP=2 and hint8 on every TP all-reduce (the autograd Functions that
     communicate run between compiled regions): the same losses as eager, to float tolerance."""
-    args = TINY + ["--tp=2", "--tp_codec=hint8", "--taco_min_bytes=0", "--max_iters=2", "--eval_interval=0",
-                   "--n_layer=1"]
+    args = TINY + [
+        "--tp=2",
+        "--tp_codec=hint8",
+        "--taco_min_bytes=0",
+        "--max_iters=2",
+        "--eval_interval=0",
+        "--n_layer=1",
+    ]
     run(args + [f"--out_dir={tmp_path}/eager"], nproc=2)
     run(args + ["--compile=True", f"--out_dir={tmp_path}/compiled"], nproc=2)
     assert losses(str(tmp_path / "compiled"))[0] == pytest.approx(losses(str(tmp_path / "eager"))[0], rel=1e-5)
 
 
-@pytest.mark.parametrize("world, layout", [(8, ["--tp=8"]), (4, ["--tp=4"]),
-                                           (8, ["--tp=4", "--pp=2", "--gradient_accumulation_steps=4",
-                                                "--batch_size=2"])])
+@pytest.mark.parametrize(
+    "world, layout",
+    [(8, ["--tp=8"]), (4, ["--tp=4"]), (8, ["--tp=4", "--pp=2", "--gradient_accumulation_steps=4", "--batch_size=2"])],
+)
 def test_gpt7b_layouts_for_4_and_8_gpus_pass_the_launch_checks(world, layout):
     """The TP=4/8 layouts of configs/gpt7b.py (for 4- and 8-GPU machines) are accepted before launch
     (here on CPU, the small dataset standing in for the large one)."""
     import config
     import train
+
     g = config.parse(train.DEFAULTS, ["configs/gpt7b.py", *layout, "--device=cpu", "--dataset=small"])
     assert (g["n_layer"], g["n_embd"], g["n_head"]) == (32, 4096, 32)
-    config.check(g, world)                           # raises ConfigError naming the fix if not
+    config.check(g, world)  # raises ConfigError naming the fix if not
