@@ -10,12 +10,12 @@ sha256; a resume checks both, so a file changed on disk or taken from another ru
 
 A FULL state dict is the single-rank model's (tp = pp = 1) names and shapes: merge() builds it
 from a set's shards, shard_into() slices one into a rank's model (the same slicing the model's
-initialisation uses). Hugging Face GPT-2 and Qwen2 folders convert to and from it, one tensor at a
-time (hf_read, from_hf, to_hf, save_hf).
+initialisation uses); hf.py converts Hugging Face folders to and from it.
 """
 
 import atexit
 import contextlib
+import dataclasses
 import errno
 import glob
 import hashlib
@@ -30,21 +30,8 @@ import torch.distributed as dist
 
 from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
-SHAPE_KEYS = (
-    "arch",
-    "vocab_size",
-    "n_layer",
-    "n_head",
-    "n_kv_head",
-    "n_embd",
-    "intermediate_size",
-    "block_size",
-    "bias",
-    "tie_embeddings",
-    "tp",
-    "pp",
-    "zero1",
-)
+LAYOUT_KEYS = ("tp", "pp", "zero1")  # the settings a set's files are cut by
+CHANGEABLE = ("dropout",)  # model settings a resume may change (docs/RELIABILITY.md lists the run's)
 
 
 def claim(out_dir, resume, overwrite, rank0):
@@ -234,11 +221,11 @@ def sets(out_dir, complete=True):
 def save(r, it):
     """Every writer rank writes its file into the step's folder; after a barrier rank 0 marks
     the set complete and removes every other set."""
-    c, grid = r.cfg, r.grid
-    folder = os.path.join(c["out_dir"], "ckpt", f"iter_{it:08d}")
+    cfg, grid = r.cfg, r.grid
+    folder = os.path.join(cfg.out_dir, "ckpt", f"iter_{it:08d}")
     mine = None
-    if grid.dp_rank == 0 or c["zero1"]:
-        name = shard_name(grid, c["zero1"])
+    if grid.dp_rank == 0 or cfg.zero1:
+        name = shard_name(grid, cfg.zero1)
         with os_errors(folder, "save the checkpoint"):
             os.makedirs(folder, exist_ok=True)
             mine = (
@@ -248,7 +235,8 @@ def save(r, it):
                         "model": r.model.state_dict(),
                         "optimizer": r.opt.state_dict(),
                         "iter": it,
-                        "config": c,
+                        "config": cfg.as_dict(),
+                        "model_config": dataclasses.asdict(r.model.config),
                         "layout": [grid.tp, grid.pp],
                         "run_id": r.run_id,
                     },
@@ -268,13 +256,13 @@ def save(r, it):
                     "tp": grid.tp,
                     "pp": grid.pp,
                     "dp": grid.dp,
-                    "zero1": c["zero1"],
+                    "zero1": cfg.zero1,
                     "run_id": r.run_id,
                     "files": dict(e for e in every if e),
                 },
             )
-            _write_atomic(os.path.join(c["out_dir"], "RUN"), r.run_id)  # the out_dir's own run
-        for old in sets(c["out_dir"], complete=False):
+            _write_atomic(os.path.join(cfg.out_dir, "RUN"), r.run_id)  # the out_dir's own run
+        for old in sets(cfg.out_dir, complete=False):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -310,45 +298,60 @@ def resume(r):
     """Load the newest complete set into r.model / r.opt; every file must match its checksum and
     be of the set's run, every rank must have loaded the same iteration, and the set's model and
     layout must be this run's. Sets r.run_id (the run goes on under its identity); returns the folder."""
-    c, grid = r.cfg, r.grid
-    found = [c["resume_from"]] if c.get("resume_from") else sets(c["out_dir"])
+    cfg, grid = r.cfg, r.grid
+    found = [cfg.resume_from] if cfg.resume_from else sets(cfg.out_dir)
     if not found:
-        cut = [os.path.basename(s) for s in sets(c["out_dir"], complete=False)]
+        cut = [os.path.basename(s) for s in sets(cfg.out_dir, complete=False)]
         hint = (
             f"only {', '.join(cut)}, cut short before its save finished: --overwrite starts over"
             if cut
             else "start without --resume, or save on the way with --ckpt_interval"
         )
-        raise SystemExit(f"--resume: no complete checkpoint set under {c['out_dir']}/ckpt ({hint})")
+        raise SystemExit(f"--resume: no complete checkpoint set under {cfg.out_dir}/ckpt ({hint})")
     meta = read_complete(found[-1])
-    own = _read(os.path.join(c["out_dir"], "RUN"))
-    if own and meta["run_id"] != own and not c.get("resume_from"):
+    own = _read(os.path.join(cfg.out_dir, "RUN"))
+    if own and meta["run_id"] != own and not cfg.resume_from:
         raise SystemExit(
-            f"--resume: the newest set {found[-1]} is of run {meta['run_id']}, not of {c['out_dir']}'s "
+            f"--resume: the newest set {found[-1]} is of run {meta['run_id']}, not of {cfg.out_dir}'s "
             f"own run {own} (its RUN): take it on purpose with --resume_from={found[-1]}, or remove it"
         )
-    if meta["iter"] >= c["max_iters"]:
+    if meta["iter"] >= cfg.max_iters:
         raise SystemExit(
-            f"--resume: {found[-1]} is at iteration {meta['iter']}, and max_iters={c['max_iters']}: "
+            f"--resume: {found[-1]} is at iteration {meta['iter']}, and max_iters={cfg.max_iters}: "
             f"nothing left to train; pass a larger --max_iters"
         )
-    ck = load_file(os.path.join(found[-1], shard_name(grid, c["zero1"])), meta, r.dev)
-    mine = (ck["iter"], [ck["config"].get(k, c[k]) for k in SHAPE_KEYS])  # a key older sets lack: as now
+    ck = load_file(os.path.join(found[-1], shard_name(grid, cfg.zero1)), meta, r.dev)
+    saved = {**saved_model_config(ck), **{k: ck["config"].get(k) for k in LAYOUT_KEYS}}
+    given = {**dataclasses.asdict(r.model.config), **{k: getattr(cfg, k) for k in LAYOUT_KEYS}}
+    mine = (ck["iter"], sorted(saved.items()))
     if grid.world > 1:
         every = [None] * grid.world
         dist.all_gather_object(every, mine)
         if any(e != mine for e in every):
             raise SystemExit(f"--resume: the ranks' checkpoint files disagree (iteration, model, layout): {every}")
-    wrong = [f"{k}={ck['config'][k]}" for k in SHAPE_KEYS if ck["config"].get(k, c[k]) != c[k]]
+    wrong = [
+        f"{k} (saved {saved[k]!r}, given {given[k]!r})" for k in given if k not in CHANGEABLE and saved[k] != given[k]
+    ]
     if wrong:
         raise SystemExit(
-            f"--resume: {found[-1]} was written with {', '.join(wrong)}; this run differs: "
-            f"pass those settings, or another --out_dir for a new run"
+            f"--resume: {found[-1]} holds another model or layout than this run's: {', '.join(wrong)}; pass "
+            f"the saved values, or another --out_dir for a new run"
         )
     r.model.load_state_dict(ck["model"])
     r.opt.load_state_dict(ck["optimizer"])
     r.it0, r.run_id = ck["iter"], meta["run_id"]
     return found[-1]
+
+
+def saved_model_config(ck):
+    """The model config a set's file was saved with, as a dict (sets before the families were parts
+    record only the settings: arch and one bias flag)."""
+    if "model_config" in ck:
+        return ck["model_config"]
+    old = dict(ck["config"])
+    family, bias = old.pop("arch", "gpt2"), old.pop("bias", True)
+    parts = dict(qkv_bias=bias, linear_bias=bias, norm_bias=bias) if family == "gpt2" else dict(qkv_bias=bias)
+    return dataclasses.asdict(GPTConfig.from_settings({**old, "family": family, **parts}))
 
 
 # -----------------------------------------------------------------------------
@@ -381,7 +384,7 @@ def merge(folder):
             name = f"tp{t}_pp{p}" + ("_dp0" if meta["zero1"] else "") + ".pt"
             ck = load_file(os.path.join(folder, name), meta)
             shards[t, p], cfg = ck["model"], ck["config"]
-    mc = model_config(cfg)
+    mc = GPTConfig(**saved_model_config(ck))
     out = {}
     full = GPT(mc, seed=None)
     for name, param in full.named_parameters():
@@ -392,10 +395,6 @@ def merge(folder):
     if mc.tie_embeddings:
         out["lm_head.weight"] = out["wte.weight"]
     return mc, out, cfg
-
-
-def model_config(cfg):
-    return GPTConfig.from_settings(cfg)
 
 
 @torch.no_grad()
@@ -418,244 +417,3 @@ def shard_into(model, get):
                 f"{g}: the weights hold shape {tuple(src.shape)}, which does not fit this model ({model.config})"
             )
         param.copy_(mine)
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face weights: GPT-2 (GPT2LMHeadModel) and Qwen2 (Qwen2ForCausalLM), in and out.
-# Our full name -> the Hugging Face names it is made of (several: concatenated along dim 0, the
-# fused [Q|K|V] and SwiGLU's [gate|up]); a block's names follow the family's block prefix.
-
-HF_NAMES = {
-    "gpt2": (
-        "transformer.h.{}.",
-        {
-            "wte.weight": ["transformer.wte.weight"],
-            "wpe.weight": ["transformer.wpe.weight"],
-            "ln_f.weight": ["transformer.ln_f.weight"],
-            "ln_f.bias": ["transformer.ln_f.bias"],
-            **{
-                f"{ours}.{p}": [f"{hf}.{p}"]
-                for ours, hf in (
-                    ("ln_1", "ln_1"),
-                    ("ln_2", "ln_2"),
-                    ("attn.qkv", "attn.c_attn"),
-                    ("attn.proj", "attn.c_proj"),
-                    ("mlp.fc", "mlp.c_fc"),
-                    ("mlp.proj", "mlp.c_proj"),
-                )
-                for p in ("weight", "bias")
-            },
-        },
-    ),
-    "qwen2": (
-        "model.layers.{}.",
-        {
-            "wte.weight": ["model.embed_tokens.weight"],
-            "ln_f.weight": ["model.norm.weight"],
-            "lm_head.weight": ["lm_head.weight"],
-            "ln_1.weight": ["input_layernorm.weight"],
-            "ln_2.weight": ["post_attention_layernorm.weight"],
-            "attn.proj.weight": ["self_attn.o_proj.weight"],
-            **{f"attn.qkv.{p}": [f"self_attn.{x}_proj.{p}" for x in "qkv"] for p in ("weight", "bias")},
-            "mlp.fc.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-            "mlp.proj.weight": ["mlp.down_proj.weight"],
-        },
-    ),
-}
-CONV1D = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")  # GPT-2 keeps these (in, out)
-
-
-def hf_names(name, mc):
-    block, table = HF_NAMES[mc.arch]
-    if name.startswith("h."):
-        i, rest = name[2:].split(".", 1)
-        return [block.format(i) + n for n in table[rest]]
-    return table[name]
-
-
-def init_from(model, folder, rank0):
-    """A Hugging Face folder's weights into this rank's model (its slices, one tensor at a time)."""
-    try:
-        shard_into(model, from_hf(hf_read(folder), model.config))
-    except ValueError as e:
-        raise SystemExit(f"--init_from={folder}: {e}") from None
-    if rank0:
-        print(f"init_from: {folder} ({model.config.arch}, {model.config.num_params(False) / 1e6:.1f}M parameters)")
-
-
-def hf_model_config(folder):
-    """The GPTConfig of a Hugging Face folder's config.json. Another family, or a Qwen2 variant this
-    model does not build (sliding windows, scaled rotary positions), is refused naming why."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"{folder} has no config.json: not a Hugging Face model folder")
-    with open(path) as f:
-        hf = json.load(f)
-    kind = hf.get("model_type")
-    if kind == "gpt2":
-        return GPTConfig(
-            block_size=hf["n_positions"],
-            vocab_size=hf["vocab_size"],
-            n_layer=hf["n_layer"],
-            n_head=hf["n_head"],
-            n_embd=hf["n_embd"],
-            intermediate_size=hf.get("n_inner") or 0,
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        )
-    if kind != "qwen2":
-        raise ValueError(f"{path}: model_type {kind!r} is not supported; the families read are gpt2 and qwen2")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}  # transformers 5.x, or 4.x's scaling
-    C, H = hf["hidden_size"], hf["num_attention_heads"]
-    why = [
-        w
-        for bad, w in (
-            (rope.get("rope_type", rope.get("type", "default")) != "default", "scaled rotary positions"),
-            (hf.get("use_sliding_window"), "sliding-window attention"),
-            (hf.get("hidden_act", "silu") != "silu", f"hidden_act {hf.get('hidden_act')!r}"),
-            (hf.get("head_dim", C // H) != C // H, "a head size other than hidden_size/heads"),
-        )
-        if bad
-    ]
-    if why:
-        raise ValueError(f"{path}: this Qwen2 uses {', '.join(why)}, which the qwen2 family here does not build")
-    return GPTConfig(
-        arch="qwen2",
-        block_size=hf["max_position_embeddings"],
-        vocab_size=hf["vocab_size"],
-        n_layer=hf["num_hidden_layers"],
-        n_head=H,
-        n_kv_head=hf.get("num_key_value_heads") or H,
-        n_embd=C,
-        intermediate_size=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-    )
-
-
-def hf_read(folder):
-    """read(name): one tensor of a Hugging Face folder's weights (model.safetensors, sharded safetensors
-    with model.safetensors.index.json, or pytorch_model.bin), read when asked. The files are memory-
-    mapped, so a 7B model is never whole in memory. GPT-2 names lacking "transformer." get it."""
-    from safetensors import safe_open
-
-    index, single, pt = (
-        os.path.join(folder, n) for n in ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin")
-    )
-    prefixed = lambda k: k if k.startswith(("transformer.", "model.", "lm_head.")) else "transformer." + k
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(single):
-        files = ["model.safetensors"]
-    elif os.path.isfile(pt):
-        sd = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
-        return {prefixed(k): v for k, v in sd.items()}.__getitem__
-    else:
-        raise ValueError(f"{folder} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
-    where = {}
-    for name in files:
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise ValueError(f"{os.path.join(folder, name)} is missing (model.safetensors.index.json lists it)")
-        h = safe_open(os.path.join(folder, name), framework="pt")
-        where.update({prefixed(k): (h, k) for k in h.keys()})
-    return lambda name: where[name][0].get_tensor(where[name][1])
-
-
-def from_hf(read, mc):
-    """get(name): our full-model tensor `name` (fp32) made from the Hugging Face tensors read(hf_name)
-    gives, one at a time: fused layers concatenated, GPT-2's Conv1D weights transposed, the vocabulary
-    padded, GPT-2's positions cut to block_size. A tied head is the embedding."""
-
-    def get(name):
-        name = "wte.weight" if name == "lm_head.weight" and mc.tie_embeddings else name
-        parts = []
-        for n in hf_names(name, mc):
-            try:
-                t = read(n)
-            except KeyError:
-                raise ValueError(f"the weights have no {n} (for {name}): not a {mc.arch} model of this shape") from None
-            parts.append(t.t() if mc.arch == "gpt2" and name.endswith(CONV1D) else t)
-        t = torch.cat(parts).float()
-        if name in ("wte.weight", "lm_head.weight") and t.shape[0] == mc.vocab_size:
-            t = torch.cat([t, t.new_zeros(mc.padded_vocab - mc.vocab_size, t.shape[1])])
-        if name == "wpe.weight" and t.shape[0] >= mc.block_size:
-            t = t[: mc.block_size]
-        return t.contiguous()
-
-    return get
-
-
-def to_hf(full, mc):
-    """from_hf's inverse: the Hugging Face state dict of a full one (a tied head is not written)."""
-    sd = {}
-    for name, t in full.items():
-        if name == "lm_head.weight" and mc.tie_embeddings:
-            continue
-        t = t[: mc.vocab_size] if name in ("wte.weight", "lm_head.weight") else t
-        names = hf_names(name, mc)
-        parts = (
-            t.split(mc.qkv_sections if ".attn.qkv." in name else (mc.intermediate_size,) * 2) if len(names) > 1 else [t]
-        )
-        for n, p in zip(names, parts):
-            sd[n] = (p.t() if mc.arch == "gpt2" and name.endswith(CONV1D) else p).contiguous()
-    return sd
-
-
-def hf_config(mc):
-    """config.json for a full model: what GPT2LMHeadModel / Qwen2ForCausalLM.from_pretrained reads."""
-    if mc.arch == "gpt2" and (mc.n_kv_head != mc.n_head or not mc.bias):
-        raise ValueError(
-            "Hugging Face's GPT-2 has biases and no grouped-query attention: this model has "
-            f"bias={mc.bias}, n_kv_head={mc.n_kv_head}"
-        )
-    if mc.arch == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": mc.vocab_size,
-            "n_positions": mc.block_size,
-            "n_ctx": mc.block_size,
-            "n_embd": mc.n_embd,
-            "n_layer": mc.n_layer,
-            "n_head": mc.n_head,
-            "n_inner": mc.intermediate_size,
-            "activation_function": "gelu_new",
-            "layer_norm_epsilon": mc.norm_eps,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-            "attn_pdrop": 0.0,
-            "tie_word_embeddings": mc.tie_embeddings,
-        }
-    if not mc.bias:
-        raise ValueError("Hugging Face's Qwen2 has biases on q, k and v: this model has bias=False")
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": mc.vocab_size,
-        "hidden_size": mc.n_embd,
-        "intermediate_size": mc.intermediate_size,
-        "num_hidden_layers": mc.n_layer,
-        "num_attention_heads": mc.n_head,
-        "num_key_value_heads": mc.n_kv_head,
-        "max_position_embeddings": mc.block_size,
-        "rms_norm_eps": mc.norm_eps,
-        "hidden_act": "silu",
-        "rope_theta": mc.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": mc.rope_theta},
-        "tie_word_embeddings": mc.tie_embeddings,
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-        "torch_dtype": "float32",
-    }
-
-
-def save_hf(model, dest):
-    """A single-process model as a Hugging Face folder: model.safetensors and config.json."""
-    from safetensors.torch import save_file
-
-    cfg = hf_config(model.config)
-    os.makedirs(dest, exist_ok=True)
-    save_file(to_hf(model.state_dict(), model.config), os.path.join(dest, "model.safetensors"), {"format": "pt"})
-    with open(os.path.join(dest, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)

@@ -32,9 +32,9 @@ class DPGradSync:
     finish() waits for all of them and writes the averages back into .grad."""
 
     def __init__(
-        self, params, group, world, bucket_numel=2**24, codec="none", block_size=256, stats=None, overlap=True
+        self, params, group, world, bucket_numel=2**24, codec="none", codec_block=256, stats=None, overlap=True
     ):
-        self.group, self.world, self.codec, self.block_size, self.stats = group, world, codec, block_size, stats
+        self.group, self.world, self.codec, self.codec_block, self.stats = group, world, codec, codec_block, stats
         self.buckets, self.bucket_of, n = [[]], {}, 0
         for p in reversed(params):
             if self.buckets[-1] and n + p.numel() > bucket_numel:
@@ -73,7 +73,7 @@ class DPGradSync:
                 self.stats.add(logical, logical)
         else:
             work = None
-            taco.all_reduce(flat, group=self.group, codec=self.codec, block_size=self.block_size, stats=self.stats)
+            taco.all_reduce(flat, group=self.group, codec=self.codec, codec_block=self.codec_block, stats=self.stats)
         self.pending[b] = (work, flat, grads)
 
     def finish(self):
@@ -120,14 +120,14 @@ class ZeroAdamW:
         weight_decay,
         grad_codec="none",
         param_codec="none",
-        block_size=256,
+        codec_block=256,
         stats=None,
     ):
         self.params, self.group, self.W, self.rank = params, grid.dp_group, grid.dp, grid.dp_rank
         self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
-        self.grad_codec, self.param_codec, self.block_size, self.stats = grad_codec, param_codec, block_size, stats
+        self.grad_codec, self.param_codec, self.codec_block, self.stats = grad_codec, param_codec, codec_block, stats
         self.N = sum(p.numel() for p in params)
-        self.S = taco.cdiv(taco.cdiv(self.N, self.W), block_size) * block_size
+        self.S = taco.cdiv(taco.cdiv(self.N, self.W), codec_block) * codec_block
         own = slice(self.rank * self.S, (self.rank + 1) * self.S)
         self.own = own
         self.master = self.flat([p.detach() for p in params])[own].clone()
@@ -156,7 +156,7 @@ class ZeroAdamW:
             p.grad = None
         self.grad = (
             taco.reduce_scatter(
-                flat, group=self.group, codec=self.grad_codec, block_size=self.block_size, stats=self.stats
+                flat, group=self.group, codec=self.grad_codec, codec_block=self.codec_block, stats=self.stats
             )
             / self.W
         )
@@ -180,7 +180,7 @@ class ZeroAdamW:
         else:
             diff = self.master - self.flat([p.detach() for p in self.params])[self.own]
             full = taco.all_gather(
-                diff, group=self.group, codec=self.param_codec, block_size=self.block_size, stats=self.stats
+                diff, group=self.group, codec=self.param_codec, codec_block=self.codec_block, stats=self.stats
             )
         o = 0
         for p in self.params:  # new values, or values + decoded differences

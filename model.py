@@ -1,14 +1,17 @@
 """
-GPT-2 and Qwen2 (the Llama shape) in one file, with hand-written tensor parallelism (Megatron-LM,
-Shoeybi et al. 2019). Per transformer block, with tp ranks:
+The model families, each a choice of parts in one skeleton, with hand-written tensor parallelism
+(Megatron-LM, Shoeybi et al. 2019). Per transformer block, with tp ranks:
 
-    x ─ LN ─ f ─ QKV (column ‖) ─ attention on n_head/tp local heads ─ out-proj (row ‖) ─ g ─ + x
-    x ─ LN ─ f ─ fc  (column ‖) ─ GELU on 4C/tp local features   ─ proj   (row ‖) ─ g ─ + x
+    x ─ norm ─ f ─ QKV (column ‖) ─ attention on n_head/tp local heads ─ out-proj (row ‖) ─ g ─ + x
+    x ─ norm ─ f ─ fc  (column ‖) ─ activation on I/tp local features   ─ proj   (row ‖) ─ g ─ + x
 
-Qwen2 (Hugging Face's Qwen2ForCausalLM; config.arch chooses) swaps parts in that skeleton: RMSNorm
-for LN; rotary positions on q and k for learned positions; grouped-query attention (n_head/n_kv_head
-query heads read each key/value head; QKV biased, out-proj not); SwiGLU, proj(silu(gate) * up) with
-fc = [gate|up], for the GELU MLP; the LM head tied to the embedding or a weight of its own.
+A family (FAMILIES) names the parts that fill the skeleton: the norm (LayerNorm, or RMSNorm in Hugging
+Face's order); the positions (a learned table added to the embedding, or rotary positions on q and k, with
+Llama 3's wavelength-banded scaling as an option); the MLP (tanh-GELU, or SwiGLU: proj(silu(gate) * up)
+with fc = [gate|up]); which linears carry a bias; an RMSNorm of every query and key head (Qwen3). The
+shape beside them: grouped-query attention (n_head/n_kv_head query heads read each key/value head), the
+head size, the LM head tied to the embedding or a weight of its own. GPTConfig resolves the family into
+parts once; every module below reads parts, never the family's name.
 
 f and g are parallel.py's two operators: f is the identity forward and all-reduces the input
 gradient backward (it runs inside ColumnParallelLinear, fused with its matmul), g all-reduces the
@@ -29,55 +32,98 @@ from einops import rearrange
 
 import parallel
 
-ARCHS = ("gpt2", "qwen2")
+
+@dataclass(frozen=True)
+class Family:
+    """The parts a family's Block is built from (GPTConfig's fields of the same names)."""
+
+    norm: str  # "layernorm" | "rmsnorm"
+    positions: str  # "learned": a table added to the token embedding | "rotary": q and k rotated
+    mlp: str  # "gelu": proj(GELU(fc x)) | "swiglu": proj(silu(gate x) * up x)
+    qkv_bias: bool  # a bias on the q, k and v projections
+    linear_bias: bool  # a bias on the other linears: the attention's output projection, the MLP's two
+    norm_bias: bool  # LayerNorm's additive bias
+    qk_norm: bool  # RMSNorm over each query and key head, before the rotation
+    tokenizer: str  # the tokenizer the family's checkpoints read (data/tokenizer.py; not a part of the model)
+
+
+FAMILIES = {
+    "gpt2": Family("layernorm", "learned", "gelu", True, True, True, qk_norm=False, tokenizer="gpt2"),
+    "qwen2": Family("rmsnorm", "rotary", "swiglu", True, False, False, qk_norm=False, tokenizer="qwen2"),
+    "llama": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=False, tokenizer="llama3"),
+    "qwen3": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=True, tokenizer="qwen2"),
+    "mistral": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=False, tokenizer=""),  # a folder's
+}
+PARTS = [f.name for f in fields(Family) if f.name != "tokenizer"]
+ROPE_SCALINGS = ("", "llama3")
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024
+    family: str = "gpt2"  # a key of FAMILIES: the parts left None below are its
     vocab_size: int = 50257  # real vocabulary; the embedding is padded to a multiple of 128
     n_layer: int = 12
     n_head: int = 12
-    n_embd: int = 768
+    n_kv_head: int = 0  # key/value heads (0: n_head; fewer: grouped-query attention)
+    n_embd: int = 768  # the width of the residual stream
+    head_dim: int = 0  # the size of a head (0: n_embd / n_head)
+    intermediate_size: int = 0  # the MLP's width (0: 4 * n_embd); SwiGLU: each of gate and up
+    block_size: int = 1024  # context length T of training; learned positions: the table's rows
+    max_positions: int = 0  # rotary: the context the model was made for (0: block_size)
     dropout: float = 0.0
-    bias: bool = True  # gpt2: every linear and LayerNorm; qwen2: the QKV projection's
-    arch: str = "gpt2"  # ARCHS
-    n_kv_head: int = 0  # qwen2: key/value heads (0: n_head)
-    intermediate_size: int = 0  # qwen2: SwiGLU width (0: 4 * n_embd)
-    rope_theta: float = 10000.0  # qwen2: rotary base
-    norm_eps: float = 1e-5  # epsilon of LayerNorm / RMSNorm
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # the rotary base
+    rope_scaling: str = ""  # ROPE_SCALINGS: "" or "llama3" (the four settings below)
+    rope_factor: float = 8.0  # llama3: long wavelengths' frequencies divided by this
+    rope_low_freq: float = 1.0  # llama3: wavelengths above original / low_freq are scaled
+    rope_high_freq: float = 4.0  # llama3: wavelengths below original / high_freq are kept
+    rope_original_positions: int = 8192  # llama3: the context the frequencies were made for
     tie_embeddings: bool = True  # the LM head's weight is the token embedding's
+    # the parts (Family): None takes the family's
+    norm: str = None
+    positions: str = None
+    mlp: str = None
+    qkv_bias: bool = None
+    linear_bias: bool = None
+    norm_bias: bool = None
+    qk_norm: bool = None
 
     def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}: choose one of {', '.join(FAMILIES)}")
+        for part in PARTS:
+            if getattr(self, part) is None:
+                setattr(self, part, getattr(FAMILIES[self.family], part))
         self.n_kv_head = self.n_kv_head or self.n_head
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
+        # learned positions: the context is the table's rows; rotary: the model's own (an export writes it)
+        self.max_positions = self.block_size if self.positions == "learned" else self.max_positions or self.block_size
 
     @classmethod
-    def from_settings(cls, c):
-        """The model's shape from a run's settings (train.py's names, a subset of them suffices)."""
-        return cls(**{f.name: c[f.name] for f in fields(cls) if f.name in c})
+    def from_settings(cls, s):
+        """The model's config from a run's settings (config.Settings, or a dict of them): the fields of
+        the same names."""
+        get = s.get if isinstance(s, dict) else lambda k, default: getattr(s, k, default)
+        return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
 
     padded_vocab = property(lambda self: -(-self.vocab_size // 128) * 128)  # rows of the embedding
 
-    def num_params(self, non_embedding=True):
-        """Parameters of the whole model (unsharded); non_embedding leaves out the lookups that are no
-        matmul (GPT-2's positions, an untied token embedding)."""
-        C, b, gpt2, qkv, I = (
-            self.n_embd,
-            int(self.bias),
-            self.arch == "gpt2",
-            sum(self.qkv_sections),
-            self.intermediate_size,
-        )
-        nrm = C + b * C if gpt2 else C  # LayerNorm (+ bias) or RMSNorm
-        block = C * qkv + C * C + (3 - gpt2) * I * C + b * qkv + 2 * nrm + (b * (2 * C + I) if gpt2 else 0)
-        lookup = self.block_size * C if gpt2 else 0 if self.tie_embeddings else self.padded_vocab * C
-        n = (2 - self.tie_embeddings) * self.padded_vocab * C + gpt2 * self.block_size * C + self.n_layer * block + nrm
-        return n - (lookup if non_embedding else 0)
-
     @property
     def qkv_sections(self):  # the fused QKV's output sections [Q | K | V]
-        return tuple(n * (self.n_embd // self.n_head) for n in (self.n_head, self.n_kv_head, self.n_kv_head))
+        return tuple(n * self.head_dim for n in (self.n_head, self.n_kv_head, self.n_kv_head))
+
+    def num_params(self, non_embedding=True):
+        """Parameters of the whole model (unsharded, counted on a model without storage);
+        non_embedding leaves out the lookups that are no matmul (learned positions, an untied token
+        embedding)."""
+        with torch.device("meta"):
+            model = GPT(self, seed=None)
+        n = sum(p.numel() for p in model.parameters())
+        if non_embedding:
+            n -= model.wpe.weight.numel() if model.wpe is not None else 0
+            n -= 0 if self.tie_embeddings else model.wte.weight.numel()
+        return n
 
 
 # -----------------------------------------------------------------------------
@@ -86,7 +132,7 @@ class GPTConfig:
 
 def autocast_input(x):
     """Under autocast, cast before f, so that its backward all-reduce carries bf16 gradients (the
-    matmul would cast anyway; LayerNorm's output is fp32 under autocast)."""
+    matmul would cast anyway; a norm's output is fp32 under autocast)."""
     return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
@@ -140,7 +186,7 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Rank r owns rows [r*V/tp, (r+1)*V/tp) of the (padded) token embedding; tokens outside
-    the range look up zeros, and g sums the ranks' partial embeddings."""
+    the range look up zeros, and g sums the ranks' partial embeddings (comm: the "embed" site's)."""
 
     def __init__(self, vocab, dim, comm):
         super().__init__()
@@ -163,7 +209,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         if self.comm.size == 1:
             return F.embedding(idx, self.weight)
-        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm, "embed")  # (B, T, C), SP: (B, T/tp, C)
+        return parallel.g(self.lookup(idx, self.weight, self.start), self.comm)  # (B, T, C), SP: (B, T/tp, C)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -205,11 +251,11 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 # -----------------------------------------------------------------------------
-# the transformer
+# the parts
 
 
 class RMSNorm(nn.Module):
-    """Qwen2's RMSNorm in Hugging Face's order: normalise in fp32, cast back, then the weight."""
+    """RMSNorm in Hugging Face's order: normalise in fp32, cast back, then the weight."""
 
     def __init__(self, dim, eps):
         super().__init__()
@@ -220,10 +266,24 @@ class RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rotary(T, head_dim, theta, device):
+def norm(cfg, dim=None):
+    """The family's norm over the last dimension (dim: n_embd unless given)."""
+    dim = dim or cfg.n_embd
+    return RMSNorm(dim, cfg.norm_eps) if cfg.norm == "rmsnorm" else nn.LayerNorm(dim, cfg.norm_eps, bias=cfg.norm_bias)
+
+
+def rotary(T, cfg, device):
     """cos, sin (T, head_dim) in fp32 of Hugging Face's half-split rotary embedding: dimension i and
-    i + head_dim/2 of a head form one pair, rotated by the angle pos * theta^(-2i/head_dim)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    i + head_dim/2 of a head form one pair, rotated by the angle pos * f_i, f_i = theta^(-2i/head_dim).
+    llama3 scaling bands the frequencies by wavelength w = 2 pi / f against the original context n:
+    w < n / high_freq: kept; w > n / low_freq: divided by factor; between, a blend of the two with the
+    weight s = (n / w - low_freq) / (high_freq - low_freq) on the kept one."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
+    if cfg.rope_scaling == "llama3":
+        n, lo, hi = cfg.rope_original_positions, cfg.rope_low_freq, cfg.rope_high_freq
+        wavelength = 2 * math.pi / inv_freq
+        s = ((n / wavelength - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0 past n / lo, 1 below n / hi
+        inv_freq = (1 - s) * inv_freq / cfg.rope_factor + s * inv_freq
     angles = (torch.arange(T, device=device).float()[:, None] * inv_freq).repeat(1, 2)  # (T, head_dim)
     return angles.cos(), angles.sin()
 
@@ -234,54 +294,60 @@ def apply_rotary(x, cos, sin):  # x: (B, h, T, hd); cos, sin cast to x's dtype (
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head (GPT-2) or grouped-query (Qwen2: n_kv_head < n_head, rotary on q and k) attention
-    on this rank's heads: n_head/tp query heads and the n_kv_head/tp key/value heads they read."""
+    """Attention on this rank's heads: n_head/tp query heads and the n_kv_head/tp key/value heads
+    they read (grouped-query when n_kv_head < n_head); q and k optionally RMS-normed per head, then
+    rotated (rotary positions)."""
 
     def __init__(self, cfg, comm):
         super().__init__()
-        self.hd, self.gqa = cfg.n_embd // cfg.n_head, cfg.n_kv_head != cfg.n_head
+        self.hd, self.gqa = cfg.head_dim, cfg.n_kv_head != cfg.n_head
         self.local = [n // comm.size for n in cfg.qkv_sections]  # this rank's [Q|K|V]: whole heads
-        self.qkv = ColumnParallelLinear(cfg.n_embd, sum(cfg.qkv_sections), comm, cfg.bias, sections=cfg.qkv_sections)
-        self.proj = RowParallelLinear(cfg.n_embd, cfg.n_embd, comm, cfg.bias and cfg.arch == "gpt2")
+        width = sum(cfg.qkv_sections)
+        self.qkv = ColumnParallelLinear(cfg.n_embd, width, comm, cfg.qkv_bias, sections=cfg.qkv_sections)
+        self.proj = RowParallelLinear(cfg.n_head * cfg.head_dim, cfg.n_embd, comm, cfg.linear_bias)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            # Replicated on every TP rank, but each rank's gradient comes from its own heads only: a
+            # partial sum over TP, which parallel.sync_replicated_grads completes.
+            self.q_norm, self.k_norm = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
+            self.q_norm.weight.tp_partial_grad = self.k_norm.weight.tp_partial_grad = True
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope=None):  # x: (B, T, C), with sequence parallelism (B, T/tp, C)
         q, k, v = (
             rearrange(t, "b t (h d) -> b h t d", d=self.hd)  # (B, h/tp or kv/tp, T, hd)
-            for t in self.qkv(x).split(self.local, dim=-1)
-        )  # (B, T, (h + 2kv) hd/tp)
+            for t in self.qkv(x).split(self.local, dim=-1)  # (B, T, (h + 2kv) hd/tp)
+        )
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.gqa
         )  # (B, h/tp, T, hd)
-        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))  # (B, T, C/tp) -> (B, T, C)
+        return self.resid_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))  # (B, T, h hd/tp) -> (B, T, C)
 
 
 class MLP(nn.Module):
-    """GPT-2: proj(GELU(fc(x))); Qwen2's SwiGLU: proj(silu(gate) * up) with fc = [gate|up]."""
+    """gelu: proj(GELU(fc(x))); swiglu: proj(silu(gate) * up) with fc = [gate|up]."""
 
     def __init__(self, cfg, comm):
         super().__init__()
-        self.swiglu, I = cfg.arch == "qwen2", cfg.intermediate_size
-        bias, sections = cfg.bias and not self.swiglu, (I, I) if self.swiglu else (I,)
-        self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, bias, sections=sections)
-        self.proj = RowParallelLinear(I, cfg.n_embd, comm, bias)
+        self.swiglu, width = cfg.mlp == "swiglu", cfg.intermediate_size
+        sections = (width, width) if self.swiglu else (width,)
+        self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections=sections)
+        self.proj = RowParallelLinear(width, cfg.n_embd, comm, cfg.linear_bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
         h = self.fc(x)  # (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
-        h = F.silu(h.chunk(2, -1)[0]) * h.chunk(2, -1)[1] if self.swiglu else F.gelu(h, approximate="tanh")
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
         return self.drop(self.proj(h))  # (B, T, I/tp) -> (B, T, C)
-
-
-def norm(cfg):
-    return (
-        RMSNorm(cfg.n_embd, cfg.norm_eps)
-        if cfg.arch == "qwen2"
-        else nn.LayerNorm(cfg.n_embd, cfg.norm_eps, bias=cfg.bias)
-    )
 
 
 class Block(nn.Module):
@@ -295,6 +361,10 @@ class Block(nn.Module):
     def forward(self, x, rope=None):
         x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
+
+
+# -----------------------------------------------------------------------------
+# the whole model
 
 
 class GPT(nn.Module):
@@ -312,11 +382,12 @@ class GPT(nn.Module):
         self.first, self.last = stage == 0, stage == stages - 1
         per = c.n_layer // stages
         self.layers = range(stage * per, (stage + 1) * per)  # global indices of this stage's blocks
+        self.wpe = None
         if self.first or (self.last and c.tie_embeddings):
-            self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm)
+            self.wte = VocabParallelEmbedding(c.padded_vocab, c.n_embd, self.comm.at("embed"))
             self.wte.weight.pp_tied_copy = not self.first  # counted once in the gradient norm
         if self.first:
-            self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.arch == "gpt2" else None  # qwen2: rotary
+            self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.positions == "learned" else None
             self.drop = nn.Dropout(c.dropout)
         self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
         if self.last:
@@ -336,13 +407,13 @@ class GPT(nn.Module):
         owned = dict(zip(self.layers, self.h))
         C, I = c.n_embd, c.intermediate_size
         yield getattr(self, "wte", None), "weight", (c.padded_vocab, C), 0.02
-        if c.arch == "gpt2":
-            yield getattr(self, "wpe", None), "weight", (c.block_size, C), 0.02
+        if c.positions == "learned":
+            yield self.wpe, "weight", (c.block_size, C), 0.02
         for i in range(c.n_layer):
             b = owned.get(i)
             yield b and b.attn.qkv, "weight", (sum(c.qkv_sections), C), 0.02
-            yield b and b.attn.proj, "weight", (C, C), proj_std
-            yield b and b.mlp.fc, "weight", ((2 if c.arch == "qwen2" else 1) * I, C), 0.02
+            yield b and b.attn.proj, "weight", (C, c.n_head * c.head_dim), proj_std
+            yield b and b.mlp.fc, "weight", ((2 if c.mlp == "swiglu" else 1) * I, C), 0.02
             yield b and b.mlp.proj, "weight", (C, I), proj_std
         if not c.tie_embeddings:
             yield getattr(self, "lm_head", None), "weight", (c.padded_vocab, C), 0.02
@@ -372,11 +443,13 @@ class GPT(nn.Module):
             assert T <= c.block_size, f"sequence length {T} > block_size {c.block_size}"
             assert T % sp == 0, f"sequence parallelism needs T ({T}) divisible by tp"
             x = self.wte(idx)  # (B, T, C), SP: (B, T/tp, C)
-            pos = torch.arange(T, device=idx.device).chunk(sp)[self.comm.rank if sp > 1 else 0]  # SP: its slice
-            x = self.drop(x + self.wpe(pos) if self.wpe is not None else x)
+            if self.wpe is not None:
+                pos = torch.arange(T, device=idx.device).chunk(sp)[self.comm.rank if sp > 1 else 0]  # SP: its slice
+                x = x + self.wpe(pos)
+            x = self.drop(x)
         else:
             x = hidden
-        rope = rotary(x.shape[1] * sp, c.n_embd // c.n_head, c.rope_theta, x.device) if c.arch == "qwen2" else None
+        rope = rotary(x.shape[1] * sp, c, x.device) if c.positions == "rotary" else None
         for block in self.h:
             x = block(x, rope)
         if not self.last:
@@ -386,9 +459,8 @@ class GPT(nn.Module):
             return self.lm_head(self.ln_f(x)[:, -1:, :]), None  # (B, 1, V/tp)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V/tp)
         if self.comm.size == 1:  # the whole vocabulary here: PyTorch's loss, fused by torch.compile (unlike a slice)
-            real = logits.float().masked_fill(
-                torch.arange(logits.shape[-1], device=x.device) >= c.vocab_size, -torch.inf
-            )
+            pad = torch.arange(logits.shape[-1], device=x.device) >= c.vocab_size
+            real = logits.float().masked_fill(pad, -torch.inf)
             return logits, F.cross_entropy(real.flatten(0, 1), targets.flatten(), ignore_index=-1)  # padding: -inf
         start = self.comm.rank * logits.shape[-1]  # this rank's first column
         loss = VocabParallelCrossEntropy.apply(

@@ -13,10 +13,10 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, Section 3) needs two conju
     f   forward: identity          backward: all-reduce   (before a column-parallel layer)
     g   forward: all-reduce        backward: identity     (after a row-parallel layer)
 
-f always precedes a column-parallel matmul, so f is written fused with it (`f(x, W, b, comm)` =
-x W^T + b): its backward can then START the all-reduce of the input gradient and compute the weight
+f always precedes a column-parallel matmul, so f is written fused with it (`f(x, A, b, comm)` =
+x A^T + b): its backward can then START the all-reduce of the input gradient and compute the weight
 gradient while the bytes are on the wire. Both operators reach the network through ONE method,
-`TPComm.sum`, where taco.py compresses the traffic (TACO paper, Fig. 2: the forward g and
+`TPComm.all_reduce`, where taco.py compresses the traffic (TACO paper, Fig. 2: the forward g and
 the backward f carry activations and activation gradients of size B*T*C).
 
 With sequence parallelism (Korthikanti et al. 2022) the activations between the TP blocks are
@@ -116,9 +116,10 @@ class TPComm:
 
     fwd_codec compresses the forward all-reduce (g: activations after a row-parallel layer);
     bwd_codec the backward one (f: activation gradients before a column-parallel layer);
-    embed_codec the embedding's forward all-reduce ("": fwd_codec), whose error reaches every layer;
-    site_codecs {"attn" | "mlp": codec} a block part's all-reduces (at(site): that part's TPComm).
-    "none" is a plain torch.distributed.all_reduce; so is any tensor under min_bytes."""
+    site_codecs {"attn" | "mlp": codec} a block part's all-reduces, where their direction compresses;
+    embed_codec the token embedding's forward all-reduce ("": fwd_codec), whose error reaches every layer.
+    at(site) gives a site its own TPComm. "none" is a plain torch.distributed.all_reduce; so is any
+    tensor under min_bytes."""
 
     group: object = None
     size: int = 1
@@ -126,7 +127,7 @@ class TPComm:
     fwd_codec: str = "none"
     bwd_codec: str = "none"
     embed_codec: str = ""
-    block_size: int = 256
+    codec_block: int = 256  # elements per codec block
     chunks: int = 1
     min_bytes: int = 0
     stats: runlog.CommStats = field(default_factory=runlog.CommStats)
@@ -135,33 +136,30 @@ class TPComm:
     site_codecs: dict = field(default_factory=dict)
 
     def at(self, site):
-        """The TPComm of one part of a block ("attn", "mlp"): its codec from site_codecs replaces
-        each direction's, where that direction compresses at all (the same stats and group)."""
+        """The TPComm of one site, with the same group and stats: "attn" or "mlp" (a block part: its
+        codec from site_codecs replaces each direction's, where that direction compresses at all), or
+        "embed" (the token embedding: embed_codec replaces the forward codec)."""
+        if site == "embed":
+            return replace(self, fwd_codec=self.embed_codec or self.fwd_codec, site_codecs={})
         k = self.site_codecs.get(site)
-        return (
-            self
-            if not k
-            else replace(
-                self,
-                fwd_codec=k if self.fwd_codec != "none" else "none",
-                bwd_codec=k if self.bwd_codec != "none" else "none",
-                site_codecs={},
-            )
-        )
+        if not k:
+            return self
+        fwd, bwd = (k if codec != "none" else "none" for codec in (self.fwd_codec, self.bwd_codec))
+        return replace(self, fwd_codec=fwd, bwd_codec=bwd, site_codecs={})
 
     def codec_for(self, x, direction):
-        """The codec for a TP collective of x in direction "fwd", "bwd" or "embed" (the embedding's fwd)."""
-        codec = {"fwd": self.fwd_codec, "bwd": self.bwd_codec, "embed": self.embed_codec or self.fwd_codec}[direction]
+        """The codec for a TP collective of x in direction "fwd" or "bwd"."""
+        codec = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return "none" if x.numel() * x.element_size() < self.min_bytes else codec
 
-    def sum(self, x, direction, async_op=False):
+    def all_reduce(self, x, direction, async_op=False):
         """SUM over the TP group, in place, returning x (async_op: a handle to wait() on).
         THE single entry point for TP all-reduces."""
         return taco.all_reduce(
             x,
             group=self.group,
             codec=self.codec_for(x, direction),
-            block_size=self.block_size,
+            codec_block=self.codec_block,
             chunks=self.chunks,
             stats=self.stats,
             async_op=async_op,
@@ -176,7 +174,7 @@ class TPComm:
             flat,
             group=self.group,
             codec=self.codec_for(x, direction),
-            block_size=self.block_size,
+            codec_block=self.codec_block,
             stats=self.stats,
             transport=self.transport,
         )
@@ -190,7 +188,7 @@ class TPComm:
             flat,
             group=self.group,
             codec=self.codec_for(x, direction),
-            block_size=self.block_size,
+            codec_block=self.codec_block,
             stats=self.stats,
             transport=self.transport,
         )
@@ -198,22 +196,22 @@ class TPComm:
 
 
 def f(x, weight, bias, comm):
-    """f, then the column-parallel matmul it precedes: x W^T + b on this rank's output slice."""
+    """f, then the column-parallel matmul it precedes: x A^T + b on this rank's output slice."""
     return F.linear(x, weight, bias) if comm.size == 1 else _F.apply(x, weight, bias, comm)
 
 
-def g(x, comm, direction="fwd"):
-    """g: the sum of the row-parallel partial outputs over the TP group ("embed": the embedding's)."""
-    return x if comm.size == 1 else _G.apply(x, comm, direction)
+def g(x, comm):
+    """g: the sum of the row-parallel partial outputs over the TP group."""
+    return x if comm.size == 1 else _G.apply(x, comm)
 
 
 class _F(torch.autograd.Function):
-    """f (Megatron Eq. 3, Fig. 3a) fused with the column-parallel matmul after it: y = x W^T + b.
+    """f (Megatron Eq. 3, Fig. 3a) fused with the column-parallel matmul after it: y = x A^T + b.
     forward: identity on x (sequence parallelism: all-gather the sequence slices), the matmul.
-    backward: grad_x = grad_y W is a partial sum on every rank: START its all-reduce, compute
-    grad_W and grad_b while it is on the wire, wait, return (Megatron-LM's overlapped grad-input
+    backward: grad_x = grad_y A is a partial sum on every rank: START its all-reduce, compute
+    grad_A and grad_b while it is on the wire, wait, return (Megatron-LM's overlapped grad-input
     all-reduce; sequence parallelism: reduce-scatter grad_x back to the slices).
-    x arrives in the compute dtype (model.autocast_input); W and b are cast to it, as autocast would."""
+    x arrives in the compute dtype (model.autocast_input); A and b are cast to it, as autocast would."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, comm):
@@ -231,7 +229,7 @@ class _F(torch.autograd.Function):
         comm = ctx.comm
         gx = gy @ w  # (..., in): a partial sum
         if not comm.sp:
-            handle = comm.sum(gx, "bwd", async_op=True)  # start f's all-reduce ...
+            handle = comm.all_reduce(gx, "bwd", async_op=True)  # start f's all-reduce ...
         gy2 = gy.reshape(-1, gy.shape[-1])
         gw = (gy2.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[0])  # ... these matmuls run meanwhile
         gb = None if ctx.dtypes[1] is None else gy2.sum(0).to(ctx.dtypes[1])
@@ -247,26 +245,30 @@ class _G(torch.autograd.Function):
     identity backward. Sequence parallelism: reduce-scatter forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, comm, direction):
+    def forward(ctx, x, comm):
         ctx.comm = comm
         if not comm.sp:
-            return comm.sum(x.contiguous(), direction)
-        return comm.reduce_scatter_seq(x, direction)  # (B, T, C) -> (B, T/tp, C)
+            return comm.all_reduce(x.contiguous(), "fwd")
+        return comm.reduce_scatter_seq(x, "fwd")  # (B, T, C) -> (B, T/tp, C)
 
     @staticmethod
     def backward(ctx, grad):
         if not ctx.comm.sp:
-            return grad, None, None
-        return ctx.comm.all_gather_seq(grad.contiguous(), "bwd"), None, None
+            return grad, None
+        return ctx.comm.all_gather_seq(grad.contiguous(), "bwd"), None
 
 
-def sync_sp_grads(params, comm):
-    """With sequence parallelism each TP rank sees only its slice of the tokens in LayerNorms,
-    biases added after the reduce-scatter and position embeddings: sum their gradients over TP."""
-    if comm.sp and comm.size > 1:
-        for p in params:
-            if p.grad is not None and not getattr(p, "tp_split", False):
-                dist.all_reduce(p.grad, group=comm.group)
+def sync_replicated_grads(params, comm):
+    """Complete the gradients that are partial sums over TP although their parameter is replicated on
+    every TP rank: the q/k norms of a Qwen3 block (each rank's gradient comes from its own heads:
+    tp_partial_grad), and with sequence parallelism every replicated parameter outside the TP blocks
+    (norms, biases added after the reduce-scatter, positions: each rank saw its slice of the tokens)."""
+    if comm.size == 1:
+        return
+    for p in params:
+        partial = getattr(p, "tp_partial_grad", False) or (comm.sp and not getattr(p, "tp_split", False))
+        if p.grad is not None and partial:
+            dist.all_reduce(p.grad, group=comm.group)
 
 
 # -----------------------------------------------------------------------------
@@ -275,19 +277,19 @@ def sync_sp_grads(params, comm):
 
 def pipeline_schedule(kind, microbatches, stage, stages):
     """The order in which one stage runs the forward (F) and backward (B) of each microbatch.
-    gpipe: all forwards, then all backwards; a stage holds all M microbatches' activations.
+    gpipe: all forwards, then all backwards; a stage holds all n microbatches' activations.
     1f1b (PipeDream-flush, Narayanan et al. 2021): stages - stage - 1 warm-up forwards, then one
     forward / one backward in turn, then the remaining backwards; at most stages - stage in flight.
     Both run the backwards in microbatch order, so gradients accumulate in the same order.
     (check_layout refuses other kinds.)"""
-    M = microbatches
+    n = microbatches
     if kind == "gpipe":
-        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
-    warm = min(stages - stage - 1, M)
+        return [("F", i) for i in range(n)] + [("B", i) for i in range(n)]
+    warm = min(stages - stage - 1, n)
     acts = [("F", i) for i in range(warm)]
-    for i in range(warm, M):
+    for i in range(warm, n):
         acts += [("F", i), ("B", i - warm)]
-    return acts + [("B", i) for i in range(M - warm, M)]
+    return acts + [("B", i) for i in range(n - warm, n)]
 
 
 def send_stage(t, dst, codec, stats=None):
@@ -322,7 +324,7 @@ def run_pipeline(
     verbose=False,
     codec="none",
     codec_bwd=None,
-    block_size=256,
+    codec_block=256,
     stats=None,
 ):
     """Run one stage's part of a pipeline step. forward(i, hidden) -> (out, loss) runs microbatch i
@@ -336,8 +338,8 @@ def run_pipeline(
     TP ranks of a stage hold the same activation and encode it identically, so they stay in step."""
     first, last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
     prev, nxt = grid.rank - grid.tp, grid.rank + grid.tp
-    cd_f = taco.get_codec(codec, block_size)
-    cd_b = taco.get_codec(codec if codec_bwd is None else codec_bwd, block_size)
+    cd_f = taco.get_codec(codec, codec_block)
+    cd_b = taco.get_codec(codec if codec_bwd is None else codec_bwd, codec_block)
     inputs, outputs, sends, total = {}, {}, [], None
 
     def trace(msg):

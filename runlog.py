@@ -45,11 +45,11 @@ class Output:
         if self.master:
             banner(r)
             self.jlog = open_log(r)
-            if r.cfg["progress"] and sys.stderr.isatty():
+            if r.cfg.progress and sys.stderr.isatty():
                 from tqdm import tqdm
 
                 self.bar = tqdm(
-                    total=r.cfg["max_iters"], initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False
+                    total=r.cfg.max_iters, initial=r.it0, desc="train", unit="it", dynamic_ncols=True, leave=False
                 )
 
     def step(self):
@@ -76,7 +76,7 @@ class Profile:
 
     def before_step(self, it):
         c = self.r.cfg
-        if self.r.use_cuda and c["profile_steps"] and it == max(self.r.it0, c["max_iters"] - c["profile_steps"]):
+        if self.r.use_cuda and c.profile_steps and it == max(self.r.it0, c.max_iters - c.profile_steps):
             self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             self.prof.start()
             self.t, self.it = time.time(), it
@@ -85,16 +85,19 @@ class Profile:
         if self.prof is not None:
             torch.cuda.synchronize()
             self.prof.stop()
-            write_trace(self.r, self.prof, self.r.cfg["max_iters"] - self.it, time.time() - self.t)
+            write_trace(self.r, self.prof, self.r.cfg.max_iters - self.it, time.time() - self.t)
 
 
 def banner(r):
     """Rank 0's first lines: the settings, the rank grid, what tp_codec=auto chose, the model's size."""
-    c, grid = r.cfg, r.grid
-    print("config:", json.dumps(c, sort_keys=True))
+    grid = r.grid
+    print("config:", json.dumps(r.cfg.as_dict(), sort_keys=True))
     print(f"grid: world {grid.world} = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} | device {r.dev} | {r.dtype}")
     if r.resumed_from:
         print(f"resumed from {r.resumed_from} (iteration {r.it0}, run {r.run_id})")
+    elif r.cfg.init_from:
+        mc = r.model.config
+        print(f"init_from: {r.cfg.init_from} ({mc.family}, {mc.num_params(False) / 1e6:.1f}M parameters)")
     if r.tp_auto:
         print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
     print(
@@ -105,7 +108,7 @@ def banner(r):
 
 def step_line(r, it, mean, lr, dt, tokens, flops):
     """The rank-0 line of a log step, and its log.jsonl record."""
-    mfu = 100 * flops / (dt * r.grid.world * r.cfg["peak_flops"]) if r.use_cuda else None
+    mfu = 100 * flops / (dt * r.grid.world * r.cfg.peak_flops) if r.use_cuda else None
     line = f"step {it + 1:6d} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
     if mfu is not None:
         line += f" | mfu {mfu:5.1f}%"
@@ -132,18 +135,18 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
 def write_trace(r, prof, steps, seconds):
     """The profiled steps' CUDA kernel timeline of this rank (chrome trace, gzipped: chrome://tracing,
     or bench.py e2e / lab.analysis trace-report read it), and on rank 0 profile.json."""
-    os.makedirs(r.cfg["out_dir"], exist_ok=True)
-    prof.export_chrome_trace(os.path.join(r.cfg["out_dir"], f"trace_rank{r.grid.rank}.json.gz"))
+    os.makedirs(r.cfg.out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(r.cfg.out_dir, f"trace_rank{r.grid.rank}.json.gz"))
     if r.grid.rank == 0:
-        with open(os.path.join(r.cfg["out_dir"], "profile.json"), "w") as f:
+        with open(os.path.join(r.cfg.out_dir, "profile.json"), "w") as f:
             json.dump({"steps": steps, "wall_ms_per_step": 1000 * seconds / steps}, f)
 
 
 def open_log(r):
     """Rank 0's log.jsonl: the resolved config first; on resume the records after the resumed
     iteration (a run that went on past its last checkpoint) are dropped, so no step appears twice."""
-    path = os.path.join(r.cfg["out_dir"], "log.jsonl")
-    os.makedirs(r.cfg["out_dir"], exist_ok=True)
+    path = os.path.join(r.cfg.out_dir, "log.jsonl")
+    os.makedirs(r.cfg.out_dir, exist_ok=True)
     kept = []
     if r.resumed_from and os.path.exists(path):
         with open(path) as f:
@@ -152,7 +155,13 @@ def open_log(r):
     f.writelines(kept)
     f.write(
         json.dumps(
-            {"config": r.cfg, "run_id": r.run_id, "resumed_from": r.resumed_from, "iter0": r.it0, "tp_auto": r.tp_auto}
+            {
+                "config": r.cfg.as_dict(),
+                "run_id": r.run_id,
+                "resumed_from": r.resumed_from,
+                "iter0": r.it0,
+                "tp_auto": r.tp_auto,
+            }
         )
         + "\n"
     )

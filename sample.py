@@ -17,7 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import checkpoint
-from model import GPT
+import config
+import hf
+from data.loader import read_meta
+from model import FAMILIES, GPT
 
 
 def full_logits(model, idx, grid=None):
@@ -66,11 +69,6 @@ def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, generator=
     return idx
 
 
-def tokenizer_of(mc):
-    """The tokenizer a model's ids are in, from its vocabulary: Qwen2's needs 151,646 rows."""
-    return "qwen2" if mc.vocab_size >= 151646 else "gpt2"
-
-
 def print_sample(model, prompt, tokens, grid, seed, autocast, tokenizer="gpt2"):
     """Every rank of the model generates (all take part in each forward); rank 0 prints the text."""
     if model.comm.sp:
@@ -91,26 +89,50 @@ def print_sample(model, prompt, tokens, grid, seed, autocast, tokenizer="gpt2"):
 
 def load(path, device="cpu"):
     """A single-process model from an out_dir (its newest complete checkpoint set), a set's folder,
-    or a Hugging Face GPT-2 or Qwen2 folder (config.json beside the weights)."""
+    or a Hugging Face folder (config.json beside the weights)."""
+    return load_with_tokenizer(path, device)[0]
+
+
+def load_with_tokenizer(path, device="cpu"):
+    """(model, the name of the tokenizer its ids are in): a folder's own tokenizer.json, else the one
+    its run trained on (a checkpoint's settings, or its data's meta.json), else its family's."""
     if os.path.exists(os.path.join(path, "config.json")):
-        mc = checkpoint.hf_model_config(path)
+        mc = hf.model_config(path)
+        config.check_model(mc)
         model = GPT(mc, seed=None)
-        checkpoint.shard_into(model, checkpoint.from_hf(checkpoint.hf_read(path), mc))
+        read = hf.Weights(path)
+        hf.check_weights(read, mc, path)
+        checkpoint.shard_into(model, hf.from_hf(read, mc))
+        run = {}
     else:
         found = [path] if os.path.exists(os.path.join(path, "COMPLETE")) else checkpoint.sets(path)
         if not found:
             raise SystemExit(f"{path}: no complete checkpoint set (ckpt/iter_N/COMPLETE), no Hugging Face config.json")
-        mc, full, _ = checkpoint.merge(found[-1])
+        mc, full, run = checkpoint.merge(found[-1])
         model = GPT(mc, seed=None)
         model.load_state_dict(full)
-    return model.to(device).eval()
+    return model.to(device).eval(), tokenizer_of(path, mc, run)
+
+
+def tokenizer_of(path, mc, run):
+    """The tokenizer of a model loaded from path (run: its run's settings, {} for a Hugging Face folder)."""
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return path
+    if run.get("tokenizer"):
+        return run["tokenizer"]
+    try:  # a run of an earlier version: its data says
+        return read_meta(config.data_dir(config.Settings(dataset=run["dataset"], data_dir=run["data_dir"])))[
+            "tokenizer"
+        ]
+    except (KeyError, OSError, ValueError):
+        return FAMILIES[mc.family].tokenizer
 
 
 def cli(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="sample text from a checkpoint or Hugging Face weights")
-    g.add_argument("path", help="an out_dir, a checkpoint set folder, or a Hugging Face GPT-2 / Qwen2 folder")
+    g.add_argument("path", help="an out_dir, a checkpoint set folder, or a Hugging Face folder")
     g.add_argument("--prompt", default="\n")
     g.add_argument("--tokens", type=int, default=200, help="new tokens per sample")
     g.add_argument("--temperature", type=float, default=0.8)
@@ -118,13 +140,13 @@ def cli(argv=None):
     g.add_argument("--num_samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=1337)
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    e = sub.add_parser("export", help="write a model as a Hugging Face folder (GPT-2 or Qwen2)")
+    e = sub.add_parser("export", help="write a model as a Hugging Face folder")
     e.add_argument("path", help="anything generate reads: an out_dir, a checkpoint set, a Hugging Face folder")
     e.add_argument("dest", help="folder for model.safetensors and config.json (from_pretrained reads it)")
     a = ap.parse_args(argv)
     try:
-        model = load(a.path, a.device if a.cmd == "generate" else "cpu")
-    except ValueError as e:  # a folder that is not what it should be
+        model, name = load_with_tokenizer(a.path, a.device if a.cmd == "generate" else "cpu")
+    except (ValueError, config.ConfigError) as e:  # a folder that is not what it should be
         raise SystemExit(f"{a.path}: {e}") from None
     if a.cmd == "export":
         if os.path.exists(a.dest) and not os.path.isdir(a.dest):
@@ -132,16 +154,19 @@ def cli(argv=None):
                 f"{a.dest} is a file: export writes a folder (model.safetensors, config.json); "
                 f"choose another destination"
             )
-        name = tokenizer_of(model.config)
-        covered = model.config.vocab_size >= {"gpt2": 50257, "qwen2": 151646}[name]
-        with checkpoint.os_errors(a.dest, "export"):
-            checkpoint.save_hf(model, a.dest)
-            if covered:  # AutoTokenizer.from_pretrained(dest) reads these
-                from data.tokenizer import save_hf
+        from data.tokenizer import get_encoding, save_hf
 
-                save_hf(name, a.dest, model.config.block_size)
+        covered = bool(name) and model.config.vocab_size >= get_encoding(name).n_vocab
+        try:
+            with checkpoint.os_errors(a.dest, "export"):
+                os.makedirs(a.dest, exist_ok=True)
+                hf.save(model, a.dest)
+                if covered:  # AutoTokenizer.from_pretrained(dest) reads these
+                    save_hf(name, a.dest, model.config.max_positions)
+        except ValueError as e:
+            raise SystemExit(f"{a.path}: {e}") from None
         print(
-            f"wrote {a.dest}/model.safetensors and config.json ({model.config.arch})"
+            f"wrote {a.dest}/model.safetensors and config.json ({model.config.family})"
             + (
                 f", and {name}'s tokenizer (vocab.json, merges.txt, tokenizer_config.json)"
                 if covered
@@ -153,7 +178,7 @@ def cli(argv=None):
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")
     from data.tokenizer import get_encoding
 
-    enc = get_encoding(tokenizer_of(model.config))
+    enc = get_encoding(name)
     ids = enc.encode_ordinary(a.prompt)
     if max(ids, default=0) >= model.config.vocab_size:
         raise SystemExit(

@@ -12,20 +12,20 @@ sends them in 8 bits.
 
 How a codec works (the TACO paper's Section 4, equation numbers as in the paper)
 -------------------------------------------------------------------------------
-A tensor is flattened and cut into blocks of B elements (default B = 256; the last block is
+A tensor is flattened and cut into blocks of `block` elements (default 256; the last block is
 zero-padded). For each block G_k:
 
     sigma_k = sqrt(mean(G_k^2) + eps)              (6)  RMS of the block
     alpha_k = tau / sigma_k                        (7)  adaptive scale: bring the RMS to tau
-    Z_k     = H_B(alpha_k * G_k) / sqrt(B)         (8)  Walsh-Hadamard rotation ("ASH" = 7 + 8)
+    Z_k     = H(alpha_k * G_k) / sqrt(block)       (8)  Walsh-Hadamard rotation ("ASH" = 7 + 8)
     s_k     = max|Z_k| / Q_max                     (9)  per-block absmax scale ("dual scale": alpha, s)
     q_k     = FP8_E4M3(Z_k / s_k)                  (10) round-to-nearest-even, Q_max = 448
-    decode: Z' = q * s;  Y' = H_B(Z') / sqrt(B);  G' = Y' / alpha          (11)-(13)
+    decode: Z' = q * s;  Y' = H(Z') / sqrt(block);  G' = Y' / alpha        (11)-(13)
 
 (The divisions by s and alpha are multiplications by 1/s and 1/alpha, computed once per block.)
 The rotation spreads an outlier over the whole block (every output is a +-1 combination of all
 inputs), so the block's absmax shrinks towards its RMS and the 8 bits are spent on the bulk of
-the distribution. H_B / sqrt(B) is orthonormal and its own inverse.
+the distribution. H / sqrt(block) is orthonormal and its own inverse.
 
 Once (9) is applied, alpha cancels (Z/s = H(G) / max|H(G)| in exact arithmetic), so the codec
 `hint8` keeps only s, with INT8 codes, whose uniform grid suits the rotated, near-Gaussian block.
@@ -35,9 +35,9 @@ registered in EXTRA_CODECS with the same interface (the lab's `tahquant`).
 
 Wire format: one uint8 buffer per message,
 
-    [ payload: nblocks * B * bits/8 bytes ][ per-block fp32 metadata: (alpha_k, s_k) ][ tensor scale ]
+    [ payload: nblocks * block * bits/8 bytes ][ per-block fp32 metadata: (alpha_k, s_k) ][ tensor scale ]
 
-so block k's codes start at k*B*bits/8 and its metadata at payload_bytes + k*nmeta*4. A rotated
+so block k's codes start at k*block*bits/8 and its metadata at payload_bytes + k*nmeta*4. A rotated
 block's codes are in lane order (lane_order: the order the kernels hold them after the
 transform), which only the rotation undoes. A message is self-contained: it decodes alone.
 
@@ -50,7 +50,7 @@ all use it.
 
 The two-shot compressed all-reduce (all_reduce below)
 -----------------------------------------------------
-    1. split the tensor into W shards (W = group size), each padded to a multiple of B
+    1. split the tensor into W shards (W = group size), each padded to whole blocks
     2. compress every shard                                      -> W messages
     3. all-to-all: message r goes to rank r                       (reduce-scatter phase)
     4. reduce MY shard: the W messages summed in fp32 in rank order 0..W-1 and re-compressed
@@ -85,6 +85,9 @@ BITS = {"e4m3": 8, "e5m2": 8, "int8": 8, "int6": 6, "int4": 4}
 FP8_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 E4M3_NAN = 0x7F
 FP32_MAX = torch.finfo(torch.float32).max
+# A rotated block whose absmax (of its values / block) is under TINY / block is scaled in the order
+# (g * sqrt(block)) / s, where sqrt(block) / s could overflow; taco_kernels.cu derives its TINY_ABSMAX alike
+TINY = 2.0**-80
 
 
 @dataclass(frozen=True)
@@ -121,30 +124,30 @@ def fwht(x, reverse=False):
     """Unnormalised Walsh-Hadamard transform over the last dim (a power of two), in place order:
     butterflies (a, b) -> (a + b, a - b) with stride 1, 2, 4, ... (reverse: ..., 4, 2, 1). Encode
     runs it forward and decode in reverse, the kernels' orders (the same H, rounded differently)."""
-    B, lead = x.shape[-1], x.shape[:-1]
-    strides = [1 << i for i in range(B.bit_length() - 1)]
+    n, lead = x.shape[-1], x.shape[:-1]
+    strides = [1 << i for i in range(n.bit_length() - 1)]
     for h in reversed(strides) if reverse else strides:
-        x = x.reshape(*lead, B // (2 * h), 2, h)
+        x = x.reshape(*lead, n // (2 * h), 2, h)
         a, b = x[..., 0, :], x[..., 1, :]
         x = torch.stack((a + b, a - b), dim=-2)
-    return x.reshape(*lead, B)
+    return x.reshape(*lead, n)
 
 
 def lane_order(x, inverse=False):
     """A rotated block's codes are stored in the order the kernels hold them after the transform:
-    position (B/32) u + m holds element u + 32 m (lane u, register m), so that encode writes and
+    position (n/32) u + m of a block of n holds element u + 32 m (lane u, register m), so that encode writes and
     decode reads each lane's codes as one word. inverse: payload order -> element order."""
-    B = x.shape[-1]
-    shape = (32, B // 32) if inverse else (B // 32, 32)
+    n = x.shape[-1]
+    shape = (32, n // 32) if inverse else (n // 32, 32)
     return x.reshape(*x.shape[:-1], *shape).transpose(-1, -2).reshape(x.shape)
 
 
 def block_sumsq(g):
     """Sum of squares of each block in the kernel's order: thread t of a 32-lane warp owns the
-    B/32 consecutive elements [t*E, (t+1)*E) and sums them left to right; then the warp folds with
+    n/32 consecutive elements of a block of n [t*E, (t+1)*E) and sums them left to right; then the warp folds with
     xor-shuffles 16, 8, 4, 2, 1 (lane i adds lane i^m; the same as folding halves)."""
-    B = g.shape[-1]
-    sq = (g * g).reshape(*g.shape[:-1], 32, B // 32)
+    n = g.shape[-1]
+    sq = (g * g).reshape(*g.shape[:-1], 32, n // 32)
     acc = sq[..., 0]
     for j in range(1, sq.shape[-1]):
         acc = acc + sq[..., j]
@@ -222,7 +225,7 @@ class Codec:
     """A codec = a spec + block size (+ tau, eps for the adaptive scale).
 
     encode(x, M, L) -> (M, S) uint8     x: 1-D, n <= M*L elements (zero-padded past n); message m
-                                        holds elements [m*L, (m+1)*L); L a multiple of B
+                                        holds elements [m*L, (m+1)*L); L a multiple of the block
     decode(buf, L, n, dtype, out) -> 1-D tensor of the first n elements of the M messages
     reduce_encode(buf: (P, S), L) -> (S,) uint8   sum P messages in fp32 in order, re-encode
     compress(x) -> 1-D uint8;  decompress(buf, shape, dtype);  roundtrip(x)   (any shape and size)
@@ -230,27 +233,27 @@ class Codec:
     On CUDA tensors the fused kernels run where they exist (TACO_KERNELS=0 forces this reference);
     everywhere else, this PyTorch reference."""
 
-    def __init__(self, name, block_size=256, tau=1.0, eps=1e-30):
+    def __init__(self, name, codec_block=256, tau=1.0, eps=1e-30):
         if name not in CODECS:
             raise ValueError(f"unknown codec {name!r}; choose one of {sorted(CODECS)} or 'none'")
-        if block_size < 32 or block_size > 1024 or block_size & (block_size - 1):
-            raise ValueError(f"block_size={block_size} must be a power of two in [32, 1024]")
-        self.name, self.spec, self.B, self.tau, self.eps = name, CODECS[name], block_size, tau, eps
+        if codec_block < 32 or codec_block > 1024 or codec_block & (codec_block - 1):
+            raise ValueError(f"codec_block={codec_block} must be a power of two in [32, 1024]")
+        self.name, self.spec, self.block, self.tau, self.eps = name, CODECS[name], codec_block, tau, eps
         self.bits, self.qmax = BITS[self.spec.fmt], QMAX[self.spec.fmt]
         self.nmeta = int(self.spec.adaptive) + int(self.spec.scale == "block")
-        self.c = float(torch.tensor(1.0 / math.sqrt(block_size), dtype=torch.float32))  # 1/sqrt(B) as fp32
+        self.inv_sqrt_block = float(torch.tensor(1.0 / math.sqrt(codec_block), dtype=torch.float32))  # as fp32
 
     def __repr__(self):
-        return f"Codec({self.name!r}, B={self.B})"
+        return f"Codec({self.name!r}, block={self.block})"
 
     def padded(self, n):
-        return cdiv(n, self.B) * self.B
+        return cdiv(n, self.block) * self.block
 
     def nbytes(self, L):
-        """Bytes of one message of L elements (L a multiple of B), padded to a multiple of 16
+        """Bytes of one message of L elements (L a multiple of the block), padded to a multiple of 16
         (so every message starts 16-byte aligned in a (M, S) buffer)."""
-        nb = L // self.B
-        raw = nb * self.B * self.bits // 8 + nb * self.nmeta * 4 + (4 if self.spec.scale == "tensor" else 0)
+        nb = L // self.block
+        raw = nb * self.block * self.bits // 8 + nb * self.nmeta * 4 + (4 if self.spec.scale == "tensor" else 0)
         return cdiv(raw, 16) * 16
 
     def kernel_ok(self, t):
@@ -259,7 +262,7 @@ class Codec:
 
     # === encode ===
     def encode(self, x, M, L):
-        assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
+        assert L % self.block == 0 and x.dim() == 1 and x.numel() <= M * L
         if x.dtype == torch.float64:  # codes come from fp32 values: a finite one past fp32's range saturates
             x = torch.where(x.isinf(), x, x.clamp(-FP32_MAX, FP32_MAX)).float()
         if self.kernel_ok(x):
@@ -268,27 +271,27 @@ class Codec:
 
     def _encode_ref(self, x, M, L, rotated=False):
         """rotated=True: x is already in the rotated domain (Eq. 8 is skipped; reduce_encode)."""
-        sp, B = self.spec, self.B
-        nb = L // B
+        sp, block = self.spec, self.block
+        nb = L // block
         g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
         g[: x.numel()] = x
-        g = g.view(M, nb, B)
+        g = g.view(M, nb, block)
         bad = ~torch.isfinite(g).all(dim=-1)  # (M, nb) blocks that hold NaN/Inf
         # === Eq. 6-7: adaptive scale ===
         if sp.adaptive:
             ss = block_sumsq(g)
-            sigma = fsqrt(ss * (1.0 / B) + self.eps)
+            sigma = fsqrt(ss * (1.0 / block) + self.eps)
             big = ~torch.isfinite(ss) & ~bad  # |x| ~> 1e19: the squares overflow
             if big.any():  # sigma of x * 2^-80, times 2^80
-                sigma = torch.where(big, fsqrt(block_sumsq(g * 2.0**-80) * (1.0 / B)) * 2.0**80, sigma)
+                sigma = torch.where(big, fsqrt(block_sumsq(g * 2.0**-80) * (1.0 / block)) * 2.0**80, sigma)
             alpha = fdiv(torch.full_like(sigma, self.tau), sigma)
-        # === Eq. 8: rotation, as H(x / B) * sqrt(B): the butterflies never overflow ===
+        # === Eq. 8: rotation, as H(x / block) * sqrt(block): the butterflies never overflow ===
         rot = sp.rotate and not rotated
-        cb = self.c * B if rot else 1.0  # 1/sqrt(B) * B, exact in fp32
-        pre = 1.0 / B if rot else 1.0  # (folded into alpha when there is one)
+        cb = self.inv_sqrt_block * block if rot else 1.0  # sqrt(block), exact in fp32
+        pre = 1.0 / block if rot else 1.0  # (folded into alpha when there is one)
         g = g * (alpha * pre)[..., None] if sp.adaptive else g * pre
         if rot:
-            g = fwht(g)  # Z / sqrt(B), Z = H(x) / sqrt(B)
+            g = fwht(g)  # Z / sqrt(block), Z = H(x) / sqrt(block)
         # === Eq. 9: absmax scale s = m cb / Qmax (as (m / Qmax) cb: it cannot overflow; at least 2^-126
         # when m > 0, so that 1/s is finite), and 1/s correctly rounded, once per block ===
         if sp.scale in ("block", "tensor"):
@@ -298,7 +301,7 @@ class Codec:
             inv = fdiv(torch.ones_like(s), torch.where(s > 0, s, torch.ones_like(s)))
             # y = Z / s without forming Z (which can pass fp32's max when H(x) does): g * (cb / s),
             # exact like (g * cb) / s; for tiny blocks (cb / s could overflow) in that order
-            tiny = m < 2.0**-80 / B
+            tiny = m < TINY / block
             gt, mul = torch.where(tiny[..., None], g * cb, g), torch.where(tiny, inv, inv * cb)[..., None]
             # integer codes round the exact product (fp64 holds it; the kernels use one fma)
             y = gt.double() * mul.double() if sp.fmt.startswith("int") else gt * mul
@@ -343,10 +346,10 @@ class Codec:
 
     def _decode_ref(self, buf, L, rotated=False):
         """rotated=True: stop before the inverse rotation (the values stay in the rotated domain)."""
-        sp, B, M = self.spec, self.B, buf.shape[0]
-        nb = L // B
-        pay = nb * B * self.bits // 8
-        y = dequantize(buf[:, :pay].contiguous(), sp.fmt).reshape(M, nb, B)
+        sp, block, M = self.spec, self.block, buf.shape[0]
+        nb = L // block
+        pay = nb * block * self.bits // 8
+        y = dequantize(buf[:, :pay].contiguous(), sp.fmt).reshape(M, nb, block)
         meta = buf[:, pay : pay + nb * self.nmeta * 4].contiguous().view(torch.float32).reshape(M, nb, self.nmeta)
         s = meta[..., -1:] if sp.scale == "block" else None
         if sp.scale == "tensor":
@@ -357,10 +360,10 @@ class Codec:
         unit = torch.where(s > 2.0**100, 2.0**64, 1.0) if inverse and s is not None else 1.0
         if s is not None:
             y = y * (s / unit)
-        # === Eq. 12: Y' = H(Z') / sqrt(B) (the kernels multiply s by 1/sqrt(B) = 1/16 first where
+        # === Eq. 12: Y' = H(Z') / sqrt(block) (the kernels multiply s by 1/sqrt(256) = 1/16 first where
         # that is exact, 2^-90 <= s: the same values), times the unit ===
         if inverse:
-            y = fwht(lane_order(y, inverse=True), reverse=True) * self.c * unit
+            y = fwht(lane_order(y, inverse=True), reverse=True) * self.inv_sqrt_block * unit
         # === Eq. 13: G' = Y' / alpha ===
         if sp.adaptive:
             alpha = meta[..., :1]
@@ -401,13 +404,13 @@ EXTRA_CODECS = {}  # name -> class with Codec's interface, made with no argument
 _CODEC_CACHE = {}
 
 
-def get_codec(name, block_size=256, tau=1.0, eps=1e-30):
+def get_codec(name, codec_block=256, tau=1.0, eps=1e-30):
     """A (cached) codec object by name; `none` (or None) is IDENTITY."""
     if name in (None, "none"):
         return IDENTITY
-    key = (name,) if name in EXTRA_CODECS else (name, block_size, tau, eps)
+    key = (name,) if name in EXTRA_CODECS else (name, codec_block, tau, eps)
     if key not in _CODEC_CACHE:
-        _CODEC_CACHE[key] = EXTRA_CODECS[name]() if name in EXTRA_CODECS else Codec(name, block_size, tau, eps)
+        _CODEC_CACHE[key] = EXTRA_CODECS[name]() if name in EXTRA_CODECS else Codec(name, codec_block, tau, eps)
     return _CODEC_CACHE[key]
 
 
@@ -420,22 +423,9 @@ def codec_names():
 # the compressed collectives
 
 
-class Pending:
-    """What the collectives return with async_op=True: wait() runs the rest of the collective (once)."""
-
-    def __init__(self, rest):
-        self.rest = rest
-
-    def wait(self):
-        if self.rest is not None:
-            self.rest()
-            self.rest = None
-        return True
-
-
-def load_kernels(names, block_size, device):
+def load_kernels(names, codec_block, device):
     """Build and load the fused kernels (local rank 0 builds) if a codec in `names` runs on them on `device`."""
-    if device.type == "cuda" and any(taco_ext.supports(get_codec(n, block_size)) for n in names):
+    if device.type == "cuda" and any(taco_ext.supports(get_codec(n, codec_block)) for n in names):
         taco_ext.load()
 
 
@@ -449,14 +439,14 @@ def _workspace(x, group, has_kernels, transport):
 
 
 def all_reduce(
-    x, group=None, codec=DEFAULT_CODEC, block_size=256, chunks=1, stats=None, async_op=False, transport="auto"
+    x, group=None, codec=DEFAULT_CODEC, codec_block=256, chunks=1, stats=None, async_op=False, transport="auto"
 ):
     """In-place SUM of x over `group`, like torch.distributed.all_reduce: the two-shot compressed
     all-reduce of the module docstring (below; inside a GPU node whose GPUs are peers, with
     transport "auto" or "symm", the same six steps over symmetric memory: taco_symm.py). Returns x;
     with async_op=True a handle once steps 1-3 are started: handle.wait() leaves the sum in x.
     Codec none: torch.distributed's all-reduce (transport="symm": PyTorch's symmetric-memory one)."""
-    cd = get_codec(codec, block_size)
+    cd = get_codec(codec, codec_block)
     _check(x, group, cd, chunks)
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}: choose {', '.join(TRANSPORTS)}")
@@ -466,7 +456,7 @@ def all_reduce(
         )
     W = dist.get_world_size(group) if dist.is_initialized() else 1
     if W == 1 or x.numel() == 0:
-        return Pending(None) if async_op else x
+        return taco_ext.Pending(None) if async_op else x
     if cd is IDENTITY and transport != "symm":
         work = dist.all_reduce(x, group=group, async_op=async_op)
         if stats is not None:  # after the collective: torch.compile's graph breaks there anyway
@@ -475,11 +465,11 @@ def all_reduce(
         return work if async_op else x
     ws = _workspace(x, group, cd is IDENTITY or cd.kernel_ok(x), transport)
     if ws is not None:
-        return ws.sum(x, cd, stats, async_op)
+        return ws.all_reduce(x, cd, stats, async_op)
     # steps 1-6 of the module docstring over torch.distributed, chunk by chunk
     n, flat = x.numel(), x.contiguous().view(-1)  # a copy only if x is not contiguous
     pending, wire = [], 0
-    for a, b in _plan_chunks(n, W, cd.B, chunks):
+    for a, b in _plan_chunks(n, W, cd.block, chunks):
         # === 1. W shards of L elements (whole blocks);  2. compress each: (W, S) bytes, message r for rank r ===
         L = cd.padded(cdiv(b - a, W))
         send = cd.encode(flat[a:b], W, L)
@@ -509,7 +499,7 @@ def all_reduce(
             x.copy_(flat.view_as(x))
 
     if async_op:
-        return Pending(finish)
+        return taco_ext.Pending(finish)
     finish()
     return x
 
@@ -527,14 +517,14 @@ def _check(x, group, cd, chunks=1):
         )
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
-    key = (group or dist.group.WORLD, cd.name, getattr(cd, "B", 0), x.numel(), x.dtype)
+    key = (group or dist.group.WORLD, cd.name, getattr(cd, "block", 0), x.numel(), x.dtype)
     if cd is not IDENTITY and key not in _AGREED and dist.is_initialized() and dist.get_world_size(group) > 1:
         mine = torch.tensor([codec_names().index(cd.name), key[2], key[3], _DTYPES.index(x.dtype)], device=x.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
         if any(not torch.equal(e, mine) for e in every):
             said = "; ".join(
-                f"rank {r}: {codec_names()[c]!r}, B={b}, {n} x {_DTYPES[d]}"
+                f"rank {r}: {codec_names()[c]!r}, block {b}, {n} x {_DTYPES[d]}"
                 for r, (c, b, n, d) in enumerate(e.tolist() for e in every)
             )
             raise RuntimeError(
@@ -544,9 +534,9 @@ def _check(x, group, cd, chunks=1):
         _AGREED.add(key)
 
 
-def _plan_chunks(n, W, B, chunks):
-    """Split n elements into <= chunks contiguous pieces, each a multiple of W*B elements except the last."""
-    per = cdiv(cdiv(n, chunks), W * B) * W * B
+def _plan_chunks(n, W, block, chunks):
+    """Split n elements into <= chunks contiguous pieces, each W whole blocks' multiple except the last."""
+    per = cdiv(cdiv(n, chunks), W * block) * W * block
     return [(a, min(a + per, n)) for a in range(0, n, per)]
 
 
@@ -554,13 +544,13 @@ def _plan_chunks(n, W, B, chunks):
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):
+def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, codec_block=256, stats=None, transport="auto"):
     """Sum over the group of x (n elements, n divisible by W); returns this rank's n/W slice.
     Steps 1-4 of the two-shot all-reduce; the summed shard is not re-compressed (it stays here)."""
     W, n = dist.get_world_size(group), x.numel()
     if n % W:
         raise ValueError(f"reduce_scatter needs numel ({n}) divisible by the group size ({W})")
-    cd = get_codec(codec, block_size)
+    cd = get_codec(codec, codec_block)
     _check(x, group, cd)
     out = torch.empty(n // W, dtype=x.dtype, device=x.device)
     if cd is IDENTITY:
@@ -585,11 +575,11 @@ def reduce_scatter(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=Non
     return out
 
 
-def all_gather(x, group=None, codec=DEFAULT_CODEC, block_size=256, stats=None, transport="auto"):
+def all_gather(x, group=None, codec=DEFAULT_CODEC, codec_block=256, stats=None, transport="auto"):
     """Concatenate x from every rank (rank order): steps 5-6 of the two-shot all-reduce. Every rank
     decodes every piece, its own included, so all ranks hold bitwise-identical results."""
     W, n = dist.get_world_size(group), x.numel()
-    cd = get_codec(codec, block_size)
+    cd = get_codec(codec, codec_block)
     _check(x, group, cd)
     out = torch.empty(W * n, dtype=x.dtype, device=x.device)
     if cd is IDENTITY:

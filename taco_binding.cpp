@@ -8,8 +8,6 @@
 
 namespace taco_binding {       // also called by taco_symm.cu
 
-constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco_ext.supports says which)";
-
 int dtype_code(const torch::Tensor& t) {
   if (t.scalar_type() == torch::kFloat32) return TACO_F32;
   if (t.scalar_type() == torch::kBFloat16) return TACO_BF16;
@@ -68,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("e4m3", TACO_E4M3).value("e5m2", TACO_E5M2).value("int8", TACO_INT8).value("int6", TACO_INT6);
 #define FIELD(name) .def_readwrite(#name, &TacoParams::name)        // the same name on both sides
   py::class_<TacoParams>(m, "Params").def(py::init<>()) FIELD(fmt) FIELD(adaptive) FIELD(rotate) FIELD(scale_block)
-      FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(c) FIELD(qmax) FIELD(L) FIELD(S);
+      FIELD(nmeta) FIELD(tau) FIELD(eps) FIELD(inv_sqrt_block) FIELD(qmax) FIELD(L) FIELD(S);
 #undef FIELD
   m.def("encode", &encode, "fused compress of M messages (into a given (M*S)-byte buffer, or a new one)",
         py::arg("x"), py::arg("M"), py::arg("p"), py::arg("into") = py::none());

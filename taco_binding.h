@@ -4,6 +4,7 @@
 #include "taco_kernels.h"
 
 namespace taco_binding {
+constexpr const char* UNSUPPORTED = "taco: no kernel for this codec (taco_ext.supports says which)";
 int dtype_code(const torch::Tensor& t);
 void check(const torch::Tensor& t, const char* what);
 torch::Tensor encode(torch::Tensor x, int64_t M, const TacoParams& p, c10::optional<torch::Tensor> into);

@@ -1,8 +1,9 @@
 """
 The fused CUDA kernels (taco_kernels.cu), JIT-built on first use into build/taco_kernels, and the
 calls into them. taco.Codec calls the binding's encode / decode / reduce_encode (load().encode(...))
-for CUDA tensors of a codec that supports() covers; taco_symm.py calls the *_peers variants below,
-whose messages sit in the peers' symmetric memory.
+for CUDA tensors of a codec that supports() covers; taco_symm.py calls its two_shot (the whole
+symmetric-memory all-reduce, given a TwoShotPlan filled by name) and the helpers below, whose
+messages sit in the peers' symmetric memory.
 
 A codec reaches the kernels as one named struct, TacoParams (taco_kernels.h; taco_binding.cpp
 exposes it as ext.Params with the same field names): params() below fills it by name.
@@ -22,6 +23,20 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _EXT = None
 
 
+class Pending:
+    """What an asynchronous collective returns (taco.all_reduce, taco_symm.Workspace): wait() runs the
+    rest of the collective, once."""
+
+    def __init__(self, rest):
+        self.rest = rest
+
+    def wait(self):
+        if self.rest is not None:
+            self.rest()
+            self.rest = None
+        return True
+
+
 def supports(cd):
     """The kernels are built for B = 256 and for the (format, rotation, scale) of the codecs in
     taco.CODECS with a block scale or none: rotated + block scale in E4M3, E5M2, INT8, INT6 (taco,
@@ -30,7 +45,7 @@ def supports(cd):
     (fp8-tensor, hadamard) need a grid-wide absmax, INT4, other block sizes and other codecs other
     layouts: those run on the PyTorch reference, also on the GPU."""
     sp = getattr(cd, "spec", None)
-    if sp is None or cd.B != 256 or sp.scale == "tensor":
+    if sp is None or cd.block != 256 or sp.scale == "tensor":
         return False
     return sp.fmt == "e4m3" or (sp.rotate and sp.scale == "block" and sp.fmt in ("e5m2", "int8", "int6"))
 
@@ -101,7 +116,7 @@ def params(cd, L):
     sp, p = cd.spec, load().Params()
     p.fmt = getattr(load().Fmt, sp.fmt)
     p.adaptive, p.rotate, p.scale_block, p.nmeta = sp.adaptive, sp.rotate, sp.scale == "block", cd.nmeta
-    p.tau, p.eps, p.c, p.qmax = cd.tau, cd.eps, cd.c, cd.qmax
+    p.tau, p.eps, p.inv_sqrt_block, p.qmax = cd.tau, cd.eps, cd.inv_sqrt_block, cd.qmax
     p.L, p.S = L, cd.nbytes(L)
     return p
 
@@ -124,21 +139,6 @@ def signal_pads(ptrs):
 def barrier(pads, me, channel):
     """A barrier of the ranks on the current stream (taco_symm.cu: PyTorch's flags and protocol)."""
     return load().barrier(pads, me, channel)
-
-
-def two_shot_peers(x, plan, side, join, replay=True):
-    """The symmetric-memory all-reduce of taco_symm.Workspace in one binding call (its plan: the
-    buffers, parameters, message addresses, signal pads and graphs), on stream `side` (its (id,
-    device, type)) as on_side puts it there; join: the current stream waits for it at the end.
-    replay: as a CUDA graph captured on x's first call (one launch instead of five); False: the five."""
-    return load().two_shot_peers(
-        x, plan.a, plan.b, plan.mine, plan.every, plan.pads, plan.me, plan.p, plan.replays, replay, side, join
-    )
-
-
-def replays():
-    """A plan's store of CUDA graphs of its all-reduce, one per tensor (the binding's Replays)."""
-    return load().Replays()
 
 
 def on_side(side, join, fn):

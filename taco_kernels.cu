@@ -1,20 +1,20 @@
 // taco_kernels.cu — fused TACO codec kernels: compress, decompress, decompress-reduce-compress.
 //
-// Work split: a warp owns K = 4 blocks of B = 256 elements and runs them in lock step (all loads
+// Work split: a warp owns K = 4 blocks of BLOCK = 256 elements and runs them in lock step (all loads
 // issued first, then each stage for the K blocks: independent instructions that hide latency), and
 // loops over such groups, fetching the next group's input while it computes this one (decode and the
 // reduce step into registers; encode into shared memory, cp.async, which holds no registers: the loads,
 // stores and staging are in taco_kernels_io.cuh). A block is read from global memory once, written once.
 //
 // Where each lane keeps its 8 elements of a block (an element's index in the block is b7..b0):
-//   layout A: lane = b7..b3,          register = b2 b1 b0   (8 consecutive elements: the tensor's I/O)
-//   layout B: lane = b7 b6 | b2 b1 b0, register = b5 b4 b3
-//   layout C: lane = b4..b0,          register = b7 b6 b5   (a rotated block's codes: the wire's order)
+//   layout io:   lane = b7..b3,          register = b2 b1 b0   (8 consecutive elements: the tensor's I/O)
+//   layout mid:  lane = b7 b6 | b2 b1 b0, register = b5 b4 b3
+//   layout wire: lane = b4..b0,          register = b7 b6 b5   (a rotated block's codes: the wire's order)
 // The Walsh-Hadamard butterflies run in the reference's orders, every one between two registers of
-// one lane: encode A -> C, strides 1, 2, 4 in A, 8, 16, 32 in B, 64, 128 in C; decode C -> A, strides
-// 128, 64, 32 in C, 16, 8 in B, 4, 2, 1 in A. The layouts change through a per-block shared-memory
+// one lane: encode io -> wire, strides 1, 2, 4 in io, 8, 16, 32 in mid, 64, 128 in wire; decode wire -> io,
+// strides 128, 64, 32 in wire, 16, 8 in mid, 4, 2, 1 in io. The layouts change through a per-block shared-memory
 // buffer, padded so that no access has a bank conflict. A rotated block's codes are stored in layout
-// C's order (taco.lane_order: lane u's 8 codes side by side), so encode ends and decode starts there
+// wire's order (taco.lane_order: lane u's 8 codes side by side), so encode ends and decode starts there
 // with no third trip through shared memory.
 //
 // The arithmetic is the reference's (taco.py), operation for operation and in the same order:
@@ -22,46 +22,37 @@
 // folded in the reference's order, IEEE division and sqrt; the one fused multiply-add is the
 // integer codes' rounding of the exact product Z * (1/s), which the reference takes in fp64. That
 // makes the codes bit-identical to the PyTorch reference. Two shortcuts are exact and guarded (see
-// encode / decode): 1/sqrt(B) = 1/16 is a power of two, so it is folded into the block's scale where
+// encode / decode): 1/sqrt(BLOCK) = 1/16 is a power of two, so it is folded into the block's scale where
 // no value can be subnormal or overflow; integers are rounded with the 1.5 * 2^23 trick and
 // converted back the same way. Plain CUDA: no PyTorch headers, so an edit here recompiles in seconds.
 #include <cstdio>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "taco_kernels.h"
+#include "taco_kernels_io.cuh"   // BLOCK, E, K, WARPS, FULL; loads, staging, conversions, stores; grid, capture
 
 namespace {
 
-#define UNROLL _Pragma("unroll")   // unroll the loop that follows on the same line
-
-constexpr int B = 256;                 // block size the kernels are built for
-constexpr int E = 8;                   // elements per lane
-constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
 constexpr int EW = 4;                  // warps per CTA in encode
 constexpr int ENC_CTAS = 7;            // encode's CTAs per SM, so at most 72 registers (__launch_bounds__)
-constexpr int K = 4;                   // blocks per warp in encode / decode
 constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
 constexpr long long RED_CTAS_PER_SM = 16;  // reduce-encode's grid cap; past it its warps loop over groups
-constexpr int SMW = B + B / 8;         // shared words per block: 4 padding words after every 32
-constexpr unsigned FULL = 0xffffffffu;
+constexpr int SMW = BLOCK + BLOCK / 8; // shared words per block: 4 padding words after every 32
 constexpr unsigned CANONICAL_NAN = 0x7fc00000u;   // what torch.tensor(float("nan")) stores
 constexpr float MAGIC = 12582912.f;    // 1.5 * 2^23: y + MAGIC holds round(y) in its low mantissa bits
-constexpr float C = 0.0625f;           // 1 / sqrt(B)
-constexpr float CB = C * B;            // sqrt(B): encode rotates x / B (no overflow), then scales by this
+constexpr float INV_SQRT_BLOCK = 0.0625f;             // 1 / sqrt(BLOCK)
+constexpr float SQRT_BLOCK = INV_SQRT_BLOCK * BLOCK;  // encode rotates x / BLOCK (no overflow), then scales by this
 constexpr float S_MIN = 0x1p-126f;     // the smallest block scale (1 / s stays finite)
-
-#include "taco_kernels_io.cuh"   // loads, staging, conversions, stores; grid, occupancy, capture
+// a rotated block whose absmax (of x / BLOCK) is under this is scaled in the reference's order (taco.TINY)
+constexpr float TINY_ABSMAX = 0x1p-80f / BLOCK;
 
 // Of a message's nbs blocks, how many lie wholly inside a tensor whose rem (<= 0: none) elements from the
-// message's start on exist, and how many hold any: 32-bit block indices (the host refuses L / B >= 2^30)
+// message's start on exist, and how many hold any: 32-bit block indices (the host refuses L / BLOCK >= 2^30)
 __device__ __forceinline__ int whole_blocks(long long rem, int nbs) {
-  return rem <= 0 ? 0 : (int)min((long long)nbs, rem / B);
+  return rem <= 0 ? 0 : (int)min((long long)nbs, rem / BLOCK);
 }
 
 __device__ __forceinline__ int touched_blocks(long long rem, int nbs) {
-  return rem <= 0 ? 0 : (int)min((long long)nbs, (rem + B - 1) / B);
+  return rem <= 0 ? 0 : (int)min((long long)nbs, (rem + BLOCK - 1) / BLOCK);
 }
 
 // --- the Walsh-Hadamard transform: butterflies inside a lane, layout changes through shared memory -
@@ -78,40 +69,40 @@ __device__ __forceinline__ void butterflies(float v[E]) {
   }
 }
 
-// Shared word of layout-A element j of lane t: 8t + j plus 4 padding words per 32 (= 4 (t >> 2)).
+// Shared word of layout-io element j of lane t: 8t + j plus 4 padding words per 32 (= 4 (t >> 2)).
 // Two 16-byte stores per lane; with the padding, each 8-lane phase covers the 32 banks once.
-__device__ __forceinline__ float* a_slot(float* sm, int lane) { return sm + 8 * lane + 4 * (lane >> 2); }
+__device__ __forceinline__ float* io_slot(float* sm, int lane) { return sm + 8 * lane + 4 * (lane >> 2); }
 
-__device__ __forceinline__ void put_a(const float v[E], float* sm, int lane) {
-  float4* w = reinterpret_cast<float4*>(a_slot(sm, lane));
+__device__ __forceinline__ void put_io(const float v[E], float* sm, int lane) {
+  float4* w = reinterpret_cast<float4*>(io_slot(sm, lane));
   w[0] = make_float4(v[0], v[1], v[2], v[3]);
   w[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-__device__ __forceinline__ void get_a(float v[E], const float* sm, int lane) {
-  const float4* w = reinterpret_cast<const float4*>(a_slot(const_cast<float*>(sm), lane));
+__device__ __forceinline__ void get_io(float v[E], const float* sm, int lane) {
+  const float4* w = reinterpret_cast<const float4*>(io_slot(const_cast<float*>(sm), lane));
   float4 a = w[0], b = w[1];
   v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-// layout B from layout A in shared memory: lane t reads idx = (t >> 3) * 64 + 8 j + (t & 7);
+// layout mid from layout io in shared memory: lane t reads idx = (t >> 3) * 64 + 8 j + (t & 7);
 // padded word idx + 4 (idx >> 5): one bank per lane for every j
-__device__ __forceinline__ void get_b(float v[E], const float* sm, int lane) {
+__device__ __forceinline__ void get_mid(float v[E], const float* sm, int lane) {
   const float* p = sm + (lane >> 3) * 72 + (lane & 7);
   UNROLL for (int j = 0; j < E; j++) v[j] = p[8 * j + 4 * (j >> 2)];
 }
 
-// layout B -> shared memory, lane-major with the registers in the order 0 4 1 5 2 6 3 7, so that
-// the two elements a layout-C lane needs from one B lane (b5 = 0, 1) sit side by side
-__device__ __forceinline__ void put_b(const float v[E], float* sm, int lane) {
-  float4* w = reinterpret_cast<float4*>(a_slot(sm, lane));
+// layout mid -> shared memory, lane-major with the registers in the order 0 4 1 5 2 6 3 7, so that
+// the two elements a layout-wire lane needs from one mid lane (b5 = 0, 1) sit side by side
+__device__ __forceinline__ void put_mid(const float v[E], float* sm, int lane) {
+  float4* w = reinterpret_cast<float4*>(io_slot(sm, lane));
   w[0] = make_float4(v[0], v[4], v[1], v[5]);
   w[1] = make_float4(v[2], v[6], v[3], v[7]);
 }
 
-// layout C: lane u, register m <- idx = u + 32 m, held by B lane (u & 7) + 8 (m >> 1) in
+// layout wire: lane u, register m <- idx = u + 32 m, held by mid lane (u & 7) + 8 (m >> 1) in
 // slot 2 (u >> 3) + (m & 1): one 8-byte load per pair of registers
-__device__ __forceinline__ void get_c(float v[E], const float* sm, int lane) {
+__device__ __forceinline__ void get_wire(float v[E], const float* sm, int lane) {
   const float* p = sm + 8 * (lane & 7) + 4 * ((lane & 7) >> 2) + 2 * (lane >> 3);
   UNROLL for (int k = 0; k < 4; k++) {
     float2 f = *reinterpret_cast<const float2*>(p + 72 * k);
@@ -122,60 +113,60 @@ __device__ __forceinline__ void get_c(float v[E], const float* sm, int lane) {
 
 // decode runs the two layout changes backwards: each "unget" stores to the words its "get" loads,
 // each "unput" loads the words its "put" stored (the same bank pattern, so no conflicts either)
-__device__ __forceinline__ void unget_c(const float v[E], float* sm, int lane) {
+__device__ __forceinline__ void unget_wire(const float v[E], float* sm, int lane) {
   float* p = sm + 8 * (lane & 7) + 4 * ((lane & 7) >> 2) + 2 * (lane >> 3);
   UNROLL for (int k = 0; k < 4; k++) *reinterpret_cast<float2*>(p + 72 * k) = make_float2(v[2 * k], v[2 * k + 1]);
 }
 
-__device__ __forceinline__ void unput_b(float v[E], const float* sm, int lane) {
-  const float4* w = reinterpret_cast<const float4*>(a_slot(const_cast<float*>(sm), lane));
+__device__ __forceinline__ void unput_mid(float v[E], const float* sm, int lane) {
+  const float4* w = reinterpret_cast<const float4*>(io_slot(const_cast<float*>(sm), lane));
   float4 a = w[0], b = w[1];
   v[0] = a.x; v[4] = a.y; v[1] = a.z; v[5] = a.w; v[2] = b.x; v[6] = b.y; v[3] = b.z; v[7] = b.w;
 }
 
-__device__ __forceinline__ void unget_b(const float v[E], float* sm, int lane) {
+__device__ __forceinline__ void unget_mid(const float v[E], float* sm, int lane) {
   float* p = sm + (lane >> 3) * 72 + (lane & 7);
   UNROLL for (int j = 0; j < E; j++) p[8 * j + 4 * (j >> 2)] = v[j];
 }
 
-// H (unnormalised) of the N blocks in v, layout A in, layout C out. sm: N buffers of SMW words.
+// H (unnormalised) of the N blocks in v, layout io in, layout wire out. sm: N buffers of SMW words.
 template <int N>
-__device__ __forceinline__ void fwht_a_to_c(float (&v)[N][E], float (*sm)[SMW], int lane) {
+__device__ __forceinline__ void fwht_io_to_wire(float (&v)[N][E], float (*sm)[SMW], int lane) {
   UNROLL for (int k = 0; k < N; k++) {
     butterflies<1>(v[k]); butterflies<2>(v[k]); butterflies<4>(v[k]);   // strides 1, 2, 4
-    put_a(v[k], sm[k], lane);
+    put_io(v[k], sm[k], lane);
   }
   __syncwarp();
   UNROLL for (int k = 0; k < N; k++) {
-    get_b(v[k], sm[k], lane);
+    get_mid(v[k], sm[k], lane);
     butterflies<1>(v[k]); butterflies<2>(v[k]); butterflies<4>(v[k]);   // strides 8, 16, 32
   }
-  __syncwarp();                                                         // all reads of A done
-  UNROLL for (int k = 0; k < N; k++) put_b(v[k], sm[k], lane);
+  __syncwarp();                                                         // all reads of io's words done
+  UNROLL for (int k = 0; k < N; k++) put_mid(v[k], sm[k], lane);
   __syncwarp();
   UNROLL for (int k = 0; k < N; k++) {
-    get_c(v[k], sm[k], lane);
+    get_wire(v[k], sm[k], lane);
     butterflies<2>(v[k]); butterflies<4>(v[k]);                         // strides 64, 128
   }
 }
 
-// H of the N blocks in v in the decode order, layout C in, layout A out
+// H of the N blocks in v in the decode order, layout wire in, layout io out
 template <int N>
-__device__ __forceinline__ void fwht_c_to_a(float (&v)[N][E], float (*sm)[SMW], int lane) {
+__device__ __forceinline__ void fwht_wire_to_io(float (&v)[N][E], float (*sm)[SMW], int lane) {
   UNROLL for (int k = 0; k < N; k++) {
     butterflies<4>(v[k]); butterflies<2>(v[k]); butterflies<1>(v[k]);   // strides 128, 64, 32
-    unget_c(v[k], sm[k], lane);
+    unget_wire(v[k], sm[k], lane);
   }
   __syncwarp();
   UNROLL for (int k = 0; k < N; k++) {
-    unput_b(v[k], sm[k], lane);
+    unput_mid(v[k], sm[k], lane);
     butterflies<2>(v[k]); butterflies<1>(v[k]);                         // strides 16, 8
   }
-  __syncwarp();                                                         // all reads of C's words done
-  UNROLL for (int k = 0; k < N; k++) unget_b(v[k], sm[k], lane);
+  __syncwarp();                                                         // all reads of wire's words done
+  UNROLL for (int k = 0; k < N; k++) unget_mid(v[k], sm[k], lane);
   __syncwarp();
   UNROLL for (int k = 0; k < N; k++) {
-    get_a(v[k], sm[k], lane);
+    get_io(v[k], sm[k], lane);
     butterflies<4>(v[k]); butterflies<2>(v[k]); butterflies<1>(v[k]);   // strides 4, 2, 1
   }
 }
@@ -315,7 +306,7 @@ __device__ __forceinline__ void load_group(Raw (&r)[N], const uint8_t* msg, int 
   else load_blocks<FMT, N, WORDS, false>(r, blk, meta, nk, lane, p);
 }
 
-// codes -> values, layout A. Integers come back exactly: the code, biased to be non-negative, as the
+// codes -> values, layout io. Integers come back exactly: the code, biased to be non-negative, as the
 // low mantissa bits of 1.5 * 2^23, minus the same constant.
 template <int FMT>
 __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
@@ -349,7 +340,7 @@ __device__ __forceinline__ void dequant8(const Raw& r, float v[E]) {
 // reference's predicate, tested where it shows anyway (a non-finite input makes the sum of squares
 // non-finite, and every rotated value; the absmax sees it in any case).
 
-// === Eq. 6-7: alpha = tau / sqrt(mean(G^2) + eps), then G * alpha (and the rotation's 1/B) ===
+// === Eq. 6-7: alpha = tau / sqrt(mean(G^2) + eps), then G * alpha (and the rotation's 1/BLOCK) ===
 // returns lane k's copy of block k's alpha; alpha[k] is block k's in every lane
 template <bool ROT, int N>
 __device__ __forceinline__ float adaptive_scale(float (&v)[N][E], bool (&bad)[N], float (&alpha)[N], int lane,
@@ -374,19 +365,19 @@ __device__ __forceinline__ float adaptive_scale(float (&v)[N][E], bool (&bad)[N]
     const unsigned nonfinite = __ballot_sync(FULL, !isfinite(t2));
     UNROLL for (int k = 0; k < N; k++) bad[k] = (nonfinite >> (k * (32 / N))) & 1u;
     const float s2_mine = __shfl_sync(FULL, t2, lane * (32 / N));
-    sg = isfinite(ss_mine) ? -1.f : sqrtf(s2_mine * (1.0f / B)) * 0x1p80f;
+    sg = isfinite(ss_mine) ? -1.f : sqrtf(s2_mine * (1.0f / BLOCK)) * 0x1p80f;
   }
-  const float alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(ss_mine * (1.0f / B) + p.eps));
+  const float alpha_mine = p.tau / (sg >= 0.f ? sg : sqrtf(ss_mine * (1.0f / BLOCK) + p.eps));
   lane_spread<N>(alpha_mine, alpha);
   UNROLL for (int k = 0; k < N; k++) {
-    const float mul = ROT ? alpha[k] * (1.0f / B) : alpha[k];        // the rotation's 1/B folded in
+    const float mul = ROT ? alpha[k] * (1.0f / BLOCK) : alpha[k];        // the rotation's 1/BLOCK folded in
     UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * mul;
   }
   return alpha_mine;
 }
 
 // === Eq. 9: s = max|Z| / Qmax, and the multiplier of Eq. 10's Z / s, as Z * (1 / s) ===
-// returns lane k's copy of block k's s; mul[k] is block k's multiplier (v holds Z / CB when rotated)
+// returns lane k's copy of block k's s; mul[k] is block k's multiplier (v holds Z / SQRT_BLOCK when rotated)
 template <int FMT, bool ROT, int N>
 __device__ __forceinline__ float block_scale(float (&v)[N][E], bool (&bad)[N], float (&mul)[N], int lane,
                                              const TacoParams& p) {
@@ -398,17 +389,17 @@ __device__ __forceinline__ float block_scale(float (&v)[N][E], bool (&bad)[N], f
   }
   const float mm = lane_pick<N>(m, lane);
   if (ROT) {
-    // s = (m / Qmax) * CB: the reference's rounding, and never overflows. Then v * (inv * CB) ==
-    // (v * CB) * inv for every v whose product v * CB is exact, and the others (|v * CB| < 2^-126)
-    // give code 0 both ways, as |v| / m < 2^-46. Below m = 2^-88 (where inv * CB could overflow):
-    // the reference's own order (v * CB first).
-    s_mine = mm / p.qmax * CB;
+    // s = (m / Qmax) * SQRT_BLOCK: the reference's rounding, and never overflows. Then
+    // v * (inv * SQRT_BLOCK) == (v * SQRT_BLOCK) * inv for every v whose product v * SQRT_BLOCK is exact,
+    // and the others (|v * SQRT_BLOCK| < 2^-126) give code 0 both ways, as |v| / m < 2^-46. Below
+    // m = TINY_ABSMAX (where inv * SQRT_BLOCK could overflow): the reference's own order (v * SQRT_BLOCK first).
+    s_mine = mm / p.qmax * SQRT_BLOCK;
     s_mine = mm > 0.f && s_mine < S_MIN ? S_MIN : s_mine;
     const float inv = 1.f / (s_mine > 0.f ? s_mine : 1.f);
-    lane_spread<N>(mm >= 0x1p-88f ? inv * CB : inv, mul);
+    lane_spread<N>(mm >= TINY_ABSMAX ? inv * SQRT_BLOCK : inv, mul);
     UNROLL for (int k = 0; k < N; k++) {
-      if (!(m[k] >= 0x1p-88f)) {
-        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
+      if (!(m[k] >= TINY_ABSMAX)) {
+        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * SQRT_BLOCK;
       }
     }
   } else {
@@ -470,7 +461,7 @@ __device__ __forceinline__ void pack(const unsigned (&lo)[N], const unsigned (&h
   }
 }
 
-// Encode N blocks (layout A in registers) into a message: msg, its bytes; blocks first .. first + N - 1
+// Encode N blocks (layout io in registers) into a message: msg, its bytes; blocks first .. first + N - 1
 // of nbs, of which the first nk are real (sm: unused without ROT)
 template <int FMT, bool ROT, bool SCALE, int N>
 __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane, const TacoParams& p,
@@ -480,14 +471,14 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
   float alpha[N], alpha_mine = 1.f, s_mine = 1.f, mul[N];
   UNROLL for (int k = 0; k < N; k++) { bad[k] = false; alpha[k] = 1.f; }
   if (p.adaptive) alpha_mine = adaptive_scale<ROT, N>(v, bad, alpha, lane, p);            // Eq. 6-7
-  // === Eq. 8: Z = H(alpha G) / sqrt(B), as H(alpha G / B) (butterflies that cannot overflow); the
-  // factor sqrt(B) = CB is applied with the scale ===
+  // === Eq. 8: Z = H(alpha G) / sqrt(BLOCK), as H(alpha G / BLOCK) (butterflies that cannot overflow); the
+  // factor SQRT_BLOCK is applied with the scale ===
   if (ROT) {
     if (!p.adaptive) {
       UNROLL for (int k = 0; k < N; k++)
-        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / B);
+        UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * (1.0f / BLOCK);
     }
-    fwht_a_to_c<N>(v, sm, lane);
+    fwht_io_to_wire<N>(v, sm, lane);
   }
   if (SCALE) {
     s_mine = block_scale<FMT, ROT, N>(v, bad, mul, lane, p);                              // Eq. 9
@@ -497,22 +488,22 @@ __device__ __forceinline__ void encode_blocks(float (&v)[N][E], int nk, int lane
     }
   } else if (ROT) {
     UNROLL for (int k = 0; k < N; k++)
-      UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * CB;
+      UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * SQRT_BLOCK;
   }
   unsigned lo[N], hi[N];
   codes<FMT, N>(v, mul, !p.adaptive && !SCALE, lo, hi);                                  // Eq. 10
   pack<FMT, SCALE, N>(lo, hi, bad, alpha_mine, s_mine, nk, lane, p, msg, first, nbs);
 }
 
-// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(B);  G' = Y' * (1 / alpha) (sm: unused without ROT)
+// --- decode N blocks: Z' = q s;  Y' = H(Z') / sqrt(BLOCK);  G' = Y' * (1 / alpha) (sm: unused without ROT)
 
-// r: the blocks' codes (rotated: in layout C); v: out, layout A. sat: saturate the results at fp32's
+// r: the blocks' codes (rotated: in layout wire); v: out, layout io. sat: saturate the results at fp32's
 // largest finite value, as the reference does at its end (fp32 outputs; 16-bit outputs saturate in
 // their conversion, and the reduce step's sums must not)
 template <int FMT, bool ROT, bool SCALE, int N>
 __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E], int lane, const TacoParams& p,
                                               float (*sm)[SMW], bool sat) {
-  // === Eq. 11: Z' = q s (rotated, with 2^-90 <= s: s / sqrt(B), Eq. 12's factor taken first) ===
+  // === Eq. 11: Z' = q s (rotated, with 2^-90 <= s: s / sqrt(BLOCK), Eq. 12's factor taken first) ===
   bool fast[N], big[N];
   UNROLL for (int k = 0; k < N; k++) {
     dequant8<FMT>(r[k], v[k]);
@@ -524,16 +515,16 @@ __device__ __forceinline__ void decode_blocks(const Raw (&r)[N], float (&v)[N][E
     fast[k] = ROT && SCALE && r[k].s >= 0x1p-90f;
     if (SCALE) {
       const float s = big[k] ? r[k].s * 0x1p-64f : r[k].s;
-      const float pre = fast[k] ? s * C : s;
+      const float pre = fast[k] ? s * INV_SQRT_BLOCK : s;
       UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * pre;
     }
   }
-  // === Eq. 12: Y' = H(Z') / sqrt(B) (the 1 / sqrt(B) here where it was not taken above) ===
+  // === Eq. 12: Y' = H(Z') / sqrt(BLOCK) (the 1 / sqrt(BLOCK) here where it was not taken above) ===
   if (ROT) {
-    fwht_c_to_a<N>(v, sm, lane);
+    fwht_wire_to_io<N>(v, sm, lane);
     UNROLL for (int k = 0; k < N; k++) {
       if (!fast[k] || big[k]) {
-        const float post = big[k] ? 0x1p64f : C;
+        const float post = big[k] ? 0x1p64f : INV_SQRT_BLOCK;
         UNROLL for (int j = 0; j < E; j++) v[k][j] = v[k][j] * post;
       }
     }
@@ -576,7 +567,7 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
   __shared__ __align__(16) float smem[EW][K][SMW];
   extern __shared__ __align__(16) uint4 staged_input[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / B), step = gridDim.x * EW * K;
+  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * EW * K;
   int first = (blockIdx.x * EW + warp) * K;
   if (first >= nbs) return;                    // the whole warp: no lane waits at a __syncwarp
   const long long msg = blockIdx.y, base = msg * p.L;   // the message's first element
@@ -594,13 +585,13 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
       after = unstage_group(st, lane, dt, v);
     } else if (!f32 && first + K <= whole) {     // 16-bit, a whole group: K loads from one address
       const uint4* q = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + base +
-                                                      (long long)first * B + lane * E);
+                                                      (long long)first * BLOCK + lane * E);
       uint4 u[K];
-      UNROLL for (int k = 0; k < K; k++) u[k] = __ldg(q + k * (B / 8));
+      UNROLL for (int k = 0; k < K; k++) u[k] = __ldg(q + k * (BLOCK / 8));
       unpack_group<K>(u, dt, v);
     } else {
       UNROLL for (int k = 0; k < K; k++) {
-        if (k < nk) load8(x, dt, n, base + (long long)(first + k) * B + lane * E, v[k]);
+        if (k < nk) load8(x, dt, n, base + (long long)(first + k) * BLOCK + lane * E, v[k]);
         else
           UNROLL for (int j = 0; j < E; j++) v[k][j] = 0.f;
       }
@@ -609,8 +600,8 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
     const int next = first + (more ? step : 0);
     staged = more && next + K <= whole;
     if (staged) {
-      if (f32) stage_group<true>(st, lane, after, x, base + (long long)next * B);
-      else stage_group<false>(st, lane, after, x, base + (long long)next * B);
+      if (f32) stage_group<true>(st, lane, after, x, base + (long long)next * BLOCK);
+      else stage_group<false>(st, lane, after, x, base + (long long)next * BLOCK);
     }
     encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, m, first, nbs, smem[warp]);
     if (!more) break;
@@ -620,10 +611,11 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
 }
 
 template <int FMT, bool ROT, bool SCALE>
-__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt, long long n) {
+__global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt,
+                                                            long long n) {
   __shared__ __align__(16) float smem[WARPS][K][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * K;
+  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * WARPS * K;
   const long long msg = blockIdx.y, rem = n - msg * p.L;   // rem: elements of out from this message's start
   // blocks below `touched` hold elements < n (the others are not decoded); groups first + K <= whole
   // lie inside out, and with a 16-byte aligned out so is every lane's first element
@@ -642,7 +634,7 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
     if (decode_ahead<FMT>() && more) load_group<FMT>(rn, m, next, nk_next, nbs, lane, p);
     float v[K][E];
     decode_blocks<FMT, ROT, SCALE, K>(r, v, lane, p, smem[warp], dt == TACO_F32);
-    store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * B + lane * E, nk, lane, v);
+    store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * BLOCK + lane * E, nk, lane, v);
     if (!more) break;
     if (decode_ahead<FMT>()) {
       UNROLL for (int k = 0; k < K; k++) r[k] = rn[k];
@@ -672,7 +664,7 @@ __device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E
 template <int FMT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / B), step = gridDim.x * WARPS * KR;
+  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * WARPS * KR;
   int first = (blockIdx.x * WARPS + warp) * KR;
   if (first >= nbs) return;
   float acc[KR][E], v[KR][E];
@@ -715,7 +707,7 @@ Kernels kernels_of() {
 // (ds) or without (fp8) a block scale. All null: not built.
 Kernels kernels(const TacoParams& p) {
   const bool rot = p.rotate, scale = p.scale_block;
-  if (p.L / B >= (1LL << 30)) return {};       // block indices are 32-bit (taco_ext.params refuses it)
+  if (p.L / BLOCK >= (1LL << 30)) return {};       // block indices are 32-bit (taco_ext.params refuses it)
   if (p.fmt == TACO_E4M3) {
     if (rot) return scale ? kernels_of<TACO_E4M3, true, true>() : kernels_of<TACO_E4M3, true, false>();
     return scale ? kernels_of<TACO_E4M3, false, true>() : kernels_of<TACO_E4M3, false, false>();
@@ -739,7 +731,7 @@ bool taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8
   const int staged = EW * K * 32 * (f32 ? 32 : 16);                 // bytes of dynamic shared memory
   if (!k.per_sm[f32] && !capturing(st)) k.per_sm[f32] = resident(k.encode, 32 * EW, staged);
   const int cap = 2 * (k.per_sm[f32] ? k.per_sm[f32] : ENC_CTAS);   // ~2 waves
-  k.encode<<<dim3(grid(p.L / B, K, true, cap, M, EW), M), 32 * EW, staged, st>>>(x, xdt, n, p, out);
+  k.encode<<<dim3(grid(p.L / BLOCK, K, true, cap, M, EW), M), 32 * EW, staged, st>>>(x, xdt, n, p, out);
   return true;
 }
 
@@ -747,14 +739,14 @@ bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long lon
   const Kernels k = kernels(p);
   const bool empty = M == 0 || p.L == 0 || n == 0;
   if (empty || !k.decode) return empty;
-  k.decode<<<dim3(grid(p.L / B, K, k.decode_ahead, 8, M), M), 32 * WARPS, 0, st>>>(buf, p, out, odt, n);
+  k.decode<<<dim3(grid(p.L / BLOCK, K, k.decode_ahead, 8, M), M), 32 * WARPS, 0, st>>>(buf, p, out, odt, n);
   return true;
 }
 
 bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStream_t st) {
   const Kernels k = kernels(p);
-  const bool empty = p.L / B == 0;
+  const bool empty = p.L / BLOCK == 0;
   if (empty || !k.reduce_encode) return empty;
-  k.reduce_encode<<<grid(p.L / B, KR, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, P, p, out);
+  k.reduce_encode<<<grid(p.L / BLOCK, KR, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, P, p, out);
   return true;
 }

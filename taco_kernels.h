@@ -16,7 +16,7 @@ struct TacoParams {
   bool rotate;        // Walsh-Hadamard per block (Eq. 8)
   bool scale_block;   // per-block absmax scale (Eq. 9); false = no scale
   int nmeta;          // fp32 metadata words per block: [alpha][s]
-  float tau, eps, c, qmax;   // c = 1/sqrt(B) rounded to fp32
+  float tau, eps, inv_sqrt_block, qmax;   // 1/sqrt(block) rounded to fp32 (the kernels: a constant)
   long long L;        // elements per message, a multiple of 256
   long long S;        // bytes per message, a multiple of 16
 };

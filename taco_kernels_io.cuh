@@ -1,8 +1,24 @@
 // taco_kernels_io.cuh — how bytes move, for taco_kernels.cu: loads of 8 consecutive elements, encode's
 // input staged through shared memory (cp.async), conversions, stores, and the host's questions (grid,
-// occupancy, CUDA-graph capture). Included by taco_kernels.cu inside its anonymous namespace, after its
-// constants (B, E, K, WARPS, FULL) and UNROLL; the dtype of a call is a warp-uniform branch.
+// occupancy, CUDA-graph capture). It stands alone: it includes what it uses and owns the constants of the
+// work split that both files read; the dtype of a call is a warp-uniform branch.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "taco_kernels.h"
+
+#define UNROLL _Pragma("unroll")   // unroll the loop that follows on the same line
+
+namespace {
+
+constexpr int BLOCK = 256;             // elements per codec block: the block size the kernels are built for
+constexpr int E = 8;                   // elements per lane (BLOCK / 32)
+constexpr int K = 4;                   // blocks per warp in encode / decode
+constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
+constexpr unsigned FULL = 0xffffffffu; // every lane of a warp
 
 // 8 consecutive 16-bit elements as raw bits (zeros past n), and their values
 __device__ __forceinline__ uint4 fetch16(const void* x, long long n, long long i0) {
@@ -65,7 +81,7 @@ __device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after,
   UNROLL for (int k = 0; k < K; k++) {
     UNROLL for (int r = 0; r < (F32 ? 2 : 1); r++) {
       const int c = lane + 32 * r;
-      const long long e = g0 + k * B + (F32 ? 4 : 8) * c;                 // the chunk's first element
+      const long long e = g0 + k * BLOCK + (F32 ? 4 : 8) * c;                 // the chunk's first element
       const char* src = static_cast<const char*>(x) + (F32 ? 4 : 2) * e;
       const int slot = F32 ? k * 64 + f32_slot(c) : k * 32 + c;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * slot), "l"(src) : "memory");
@@ -149,7 +165,7 @@ __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long 
                                             int lane, const float (&v)[N][E]) {
   if (!whole) {
     UNROLL for (int k = 0; k < N; k++)
-      if (k < nk) store8(out, dt, n, i0 + k * B, v[k]);
+      if (k < nk) store8(out, dt, n, i0 + k * BLOCK, v[k]);
   } else if (dt == TACO_F32) {
     // A lane's 8 values fill one 32-byte sector, but a store moves 16 bytes per lane: lanes 2i and 2i + 1
     // swap halves first, so that each store writes whole sectors (the even lane's, then the odd's).
@@ -163,13 +179,13 @@ __device__ __forceinline__ void store_group(void* out, int dt, bool whole, long 
       const uint4 s = pick(odd, lo, hi);             // the even lane sends its high half, the odd its low
       const uint4 r = make_uint4(__shfl_xor_sync(FULL, s.x, 1), __shfl_xor_sync(FULL, s.y, 1),
                                  __shfl_xor_sync(FULL, s.z, 1), __shfl_xor_sync(FULL, s.w, 1));
-      st16(p + k * B, pick(odd, r, lo));
-      st16(p + k * B + E, pick(odd, hi, r));
+      st16(p + k * BLOCK, pick(odd, r, lo));
+      st16(p + k * BLOCK + E, pick(odd, hi, r));
     }
   } else {
     uint4* p = reinterpret_cast<uint4*>(static_cast<unsigned short*>(out) + i0);
     UNROLL for (int k = 0; k < N; k++)
-      p[k * (B / 8)] = make_uint4(pack2(v[k][0], v[k][1], dt), pack2(v[k][2], v[k][3], dt),
+      p[k * (BLOCK / 8)] = make_uint4(pack2(v[k][0], v[k][1], dt), pack2(v[k][2], v[k][3], dt),
                                   pack2(v[k][4], v[k][5], dt), pack2(v[k][6], v[k][7], dt));
   }
 }
@@ -205,3 +221,5 @@ bool capturing(cudaStream_t st) {
   cudaStreamCaptureStatus s = cudaStreamCaptureStatusNone;
   return cudaStreamIsCapturing(st, &s) != cudaSuccess || s != cudaStreamCaptureStatusNone;
 }
+
+}  // namespace

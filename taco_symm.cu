@@ -63,8 +63,8 @@ __global__ void barrier_kernel(TacoPads pads, int me, int channel) {
   __trap();
 }
 
-void barrier(const TacoPads& pads, int me, int channel) {
-  barrier_kernel<<<1, 32, 0, c10::cuda::getCurrentCUDAStream()>>>(pads, me, channel);
+void barrier(const TacoPads& pads, int me, int channel, cudaStream_t st) {
+  barrier_kernel<<<1, 32, 0, st>>>(pads, me, channel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -118,9 +118,10 @@ class Replays {
   ~Replays() {
     for (auto& kv : execs_) cudaGraphExecDestroy(kv.second);     // one still running is freed when done
   }
-  // the graph for x; if new, captured now from launch_all() on the current stream cs (work already
+  // the graph for x; if new, captured now from launch_all(cs) on stream cs (work already
   // queued there is not part of it)
-  cudaGraphExec_t get(const torch::Tensor& x, cudaStream_t cs, const std::function<void()>& launch_all) {
+  cudaGraphExec_t get(const torch::Tensor& x, cudaStream_t cs,
+                      const std::function<void(cudaStream_t)>& launch_all) {
     const auto key = std::make_pair(x.data_ptr(), dtype_code(x));
     const auto it = execs_.find(key);
     if (it != execs_.end()) return it->second;
@@ -128,7 +129,7 @@ class Replays {
     C10_CUDA_CHECK(cudaStreamBeginCapture(cs, cudaStreamCaptureModeThreadLocal));
     cudaGraph_t graph = nullptr;
     try {
-      launch_all();
+      launch_all(cs);
     } catch (...) {                                                // a failed check: end the capture
       if (cudaStreamEndCapture(cs, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
       throw;
@@ -161,36 +162,58 @@ void on_side(const StreamId& side, bool join, const Work& work) {
   if (join) wait_for(caller.stream(), s.stream());
 }
 
+// One all-reduce size's plan, taco_symm.make_plan fills it by name: my buffers, the peers' messages, the
+// codec's parameters, the workspace's stream and the all-reduce's CUDA graphs.
+struct TwoShotPlan {
+  torch::Tensor sends;   // in my symmetric buffer: my W messages, message q for rank q
+  torch::Tensor shard;   // after them: my reduced shard's message
+  TacoMsgs mine;         // message `me` of every rank's sends: what I reduce
+  TacoMsgs every;        // every rank's shard: what I decode
+  TacoPads pads;         // the ranks' signal pads (the two barriers)
+  int64_t me = 0;        // my rank in the group
+  TacoParams p{};        // the codec, for messages of p.L elements and p.S bytes
+  StreamId side{};       // the workspace's stream: torch.cuda.Stream's (stream_id, device_index, device_type)
+  Replays replays;       // the all-reduce as CUDA graphs, one per tensor (made on first use)
+  TwoShotPlan() = default;
+  TwoShotPlan(const TwoShotPlan&) = delete;   // the graphs are owned once
+};
+
 // The symmetric-memory all-reduce of taco_symm.py in one call, so that an eager call costs one graph
 // launch (replay: a graph per tensor, Replays) or five kernel launches, not a dozen Python steps:
-// encode x into my A (one message per rank), barrier(0), reduce every peer's A[me] into my B,
-// barrier(1), decode every peer's B into x. On the workspace's stream `side` (on_side; join: the
-// caller's stream waits for it now); while that stream is being captured into a graph (the caller's
-// is), the kernels are launched one by one (into that graph).
-void two_shot_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const TacoMsgs& mine, const TacoMsgs& every,
-                    const TacoPads& pads, int64_t me, const TacoParams& p, Replays& replays, bool replay,
-                    const StreamId& side, bool join) {
+// encode x into my sends (one message per rank), barrier(0), reduce every rank's message for me into
+// my shard, barrier(1), decode every rank's shard into x. On the workspace's stream, after the
+// caller's work so far; join: the caller's stream waits for it now (else at handle.wait(),
+// join_stream). While the caller's stream is being captured into a graph, the side stream joins that
+// capture and the kernels are launched one by one into it.
+void two_shot(torch::Tensor x, TwoShotPlan& plan, bool replay, bool join) {
   check(x, "input");
-  TORCH_CHECK(x.get_device() == std::get<1>(side), "taco: the tensor is not on the workspace's GPU");
-  const auto launch_all = [&] {
-    encode(x, mine.n_ptr, p, a);
-    barrier(pads, (int)me, 0);
-    reduce_encode(mine, mine.n_ptr, b, p);
-    barrier(pads, (int)me, 1);
-    decode(every, every.n_ptr, x, p);
+  const int W = plan.mine.n_ptr, xdt = dtype_code(x);
+  TORCH_CHECK(x.get_device() == std::get<1>(plan.side), "taco: the tensor is not on the workspace's GPU");
+  TORCH_CHECK(plan.sends.numel() == W * plan.p.S && plan.shard.numel() == plan.p.S && x.numel() <= W * plan.p.L,
+              "taco: the plan's buffers do not fit its messages, or the tensor its shards");
+  const auto launch_all = [&](cudaStream_t st) {
+    uint8_t *sends = plan.sends.data_ptr<uint8_t>(), *shard = plan.shard.data_ptr<uint8_t>();
+    TORCH_CHECK(taco_encode(x.data_ptr(), xdt, x.numel(), W, plan.p, sends, st), UNSUPPORTED);   // Eq. 6-10
+    barrier(plan.pads, (int)plan.me, 0, st);
+    TORCH_CHECK(taco_reduce_encode(plan.mine, W, plan.p, shard, st), UNSUPPORTED);
+    barrier(plan.pads, (int)plan.me, 1, st);
+    TORCH_CHECK(taco_decode(plan.every, W, plan.p, x.data_ptr(), xdt, x.numel(), st), UNSUPPORTED);   // Eq. 11-13
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  on_side(side, join, [&] {
-    const cudaStream_t s = c10::cuda::getCurrentCUDAStream();
-    cudaStreamCaptureStatus capturing;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(s, &capturing));
-    const bool own_graph = replay && capturing == cudaStreamCaptureStatusNone;
-    const cudaGraphExec_t exec = own_graph ? replays.get(x, s, launch_all) : nullptr;
-    if (exec) {
-      C10_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    } else {
-      launch_all();
-    }
-  });
+  const c10::cuda::CUDAStream side = unpack(plan.side);
+  const c10::cuda::CUDAGuard guard(side.device_index());
+  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream().stream(), st = side.stream();
+  wait_for(st, caller);                                                   // x is ready
+  cudaStreamCaptureStatus capturing;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(st, &capturing));
+  const cudaGraphExec_t exec =
+      replay && capturing == cudaStreamCaptureStatusNone ? plan.replays.get(x, st, launch_all) : nullptr;
+  if (exec) {
+    C10_CUDA_CHECK(cudaGraphLaunch(exec, st));
+  } else {
+    launch_all(st);
+  }
+  if (join) wait_for(caller, st);
 }
 
 }  // namespace
@@ -198,17 +221,19 @@ void two_shot_peers(torch::Tensor x, torch::Tensor a, torch::Tensor b, const Tac
 // called from taco_binding.cpp's module definition
 void bind_symm(pybind11::module_& m) {
   py::class_<TacoMsgs>(m, "Msgs").def(py::init(&scattered), "messages at the given device addresses");
-  py::class_<Replays>(m, "Replays").def(py::init<>(), "a plan's all-reduce as CUDA graphs, one per tensor");
   py::class_<TacoPads>(m, "Pads").def(py::init(&signal_pads), "the ranks' signal pads at the given device addresses");
-  m.def("two_shot_peers", &two_shot_peers, "the symmetric-memory all-reduce: encode, barrier, reduce, barrier, "
-        "decode", py::arg("x"), py::arg("a"), py::arg("b"), py::arg("mine"), py::arg("every"), py::arg("pads"),
-        py::arg("me"), py::arg("p"), py::arg("replays"), py::arg("replay"), py::arg("side"), py::arg("join"));
+#define FIELD(name) .def_readwrite(#name, &TwoShotPlan::name)      // the same name on both sides
+  py::class_<TwoShotPlan>(m, "TwoShotPlan").def(py::init<>()) FIELD(sends) FIELD(shard) FIELD(mine) FIELD(every)
+      FIELD(pads) FIELD(me) FIELD(p) FIELD(side);
+#undef FIELD
+  m.def("two_shot", &two_shot, "the symmetric-memory all-reduce of x by its plan: encode, barrier, reduce, barrier, "
+        "decode", py::arg("x"), py::arg("plan"), py::arg("replay") = true, py::arg("join") = true);
   m.def("on_side", [](const StreamId& side, bool join, const py::function& work) { on_side(side, join, work); },
         "work() on stream `side`, after the current stream's work; join: the current stream waits for it");
   m.def("barrier", [](const TacoPads& pads, int64_t me, int64_t channel) {
     TORCH_CHECK(0 <= me && me < pads.W && channel >= 0, "taco: barrier of rank ", me, " of ", pads.W, ", channel ",
                 channel);
-    barrier(pads, (int)me, (int)channel);
+    barrier(pads, (int)me, (int)channel, c10::cuda::getCurrentCUDAStream());
   }, "a barrier of the ranks, on the current stream: rank `me` of pads.W, on the given channel (0, 1, ...)");
   m.def("join_stream", [](const StreamId& side) {
     const c10::cuda::CUDAStream s = unpack(side);

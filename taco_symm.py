@@ -5,15 +5,16 @@ peer to peer, not through NCCL.
 Every rank of a TP group maps one buffer from PyTorch's symmetric memory
 (torch.distributed._symmetric_memory), so a kernel on rank r reads rank q's messages straight from
 q's GPU over NVLink. The two-shot all-reduce (taco.py, steps 1-6) then becomes three kernels and
-two barriers, queued by one call into the binding on a side stream, which the caller's stream joins
-at once or, with async_op, at handle.wait(). The first call on a tensor captures the five as a CUDA
-graph, which later calls on it replay (one launch: the host's cost of an eager call):
+two barriers, queued by one call into the binding (its two_shot, with a named plan) on a side
+stream, which the caller's stream joins at once or, with async_op, at handle.wait(). The first call
+on a tensor captures the five as a CUDA graph, which later calls on it replay (one launch: the
+host's cost of an eager call):
 
-    1-2. encode my tensor into my buffer A (W messages, message q for rank q)
-    3.   barrier                              (the all-to-all: every A is ready to be read)
-    4.   reduce_encode of every rank's A[me], in rank order, into my B
-    5.   barrier                              (the all-gather: every B is ready)
-    6.   decode every rank's B (all W shards, mine included) into the tensor
+    1-2. encode my tensor into my sends (W messages, message q for rank q)
+    3.   barrier                              (the all-to-all: every rank's sends are ready)
+    4.   reduce_encode of every rank's message for me, in rank order, into my shard
+    5.   barrier                              (the all-gather: every shard is ready)
+    6.   decode every rank's shard (all W of them, mine included) into the tensor
 
 The kernels are the ones of the torch.distributed path (they take message addresses), so the
 bytes, and the results, are the same bit for bit.
@@ -22,18 +23,13 @@ bytes, and the results, are the same bit for bit.
 import functools
 import os
 import warnings
-from collections import namedtuple
 
 import torch
 import torch.distributed as dist
 
 import taco_ext
-from taco import Pending
 
 _WORKSPACES = {}
-# one all-reduce size's views of the buffer, its kernel parameters, the messages' addresses, the
-# ranks' signal pads, my rank, and the all-reduce's CUDA graphs (one per tensor, made on first use)
-Plan = namedtuple("Plan", "S a b p mine every pads me replays")
 
 
 def shard(cd, n, W):
@@ -42,24 +38,19 @@ def shard(cd, n, W):
     return L, cd.nbytes(L)
 
 
-def make_plan(cd, n, me, buf, ptrs, pads):
-    """What rank me's all-reduce of n elements needs that depends only on (n, codec, buffer): my
-    buffer buf (a uint8 tensor of at least (W + 1) * S bytes), every rank's buffer address (ptrs)
-    and signal pads (taco_ext.signal_pads). Workspace makes one per size; a test makes two on
-    one GPU, ranks in one process."""
+def make_plan(cd, n, me, buf, ptrs, pads, side):
+    """The binding's TwoShotPlan for rank me's all-reduce of n elements, filled by name: my buffer buf
+    (a uint8 tensor of at least (W + 1) * S bytes: my sends, then my shard), every rank's buffer
+    address (ptrs), the signal pads (taco_ext.signal_pads) and the stream (its (id, device, type)).
+    Workspace makes one per size; a test makes two on one GPU, ranks in one process."""
     W = len(ptrs)
     L, S = shard(cd, n, W)
-    return Plan(
-        S=S,
-        a=buf[: W * S],
-        b=buf[W * S : (W + 1) * S],
-        p=taco_ext.params(cd, L),
-        mine=taco_ext.messages([q + me * S for q in ptrs]),  # every A[me]
-        every=taco_ext.messages([q + W * S for q in ptrs]),  # every B
-        pads=pads,
-        me=me,
-        replays=taco_ext.replays(),
-    )
+    plan = taco_ext.load().TwoShotPlan()
+    plan.sends, plan.shard = buf[: W * S], buf[W * S : (W + 1) * S]
+    plan.mine = taco_ext.messages([q + me * S for q in ptrs])  # my message in every rank's sends
+    plan.every = taco_ext.messages([q + W * S for q in ptrs])  # every rank's shard
+    plan.pads, plan.me, plan.p, plan.side = pads, me, taco_ext.params(cd, L), side
+    return plan
 
 
 def workspace(x, group, has_kernels, transport):
@@ -119,13 +110,13 @@ def _peer_access_everywhere():
 class Workspace:
     """A buffer in symmetric memory, one per (group, device), mapped by every rank of the group.
 
-    Layout: [ A: W messages | B: 1 message ]. Order of one call (all on this workspace's stream):
-      all_reduce:         write my A; barrier; reduce every peer's A[me] into my B; barrier;
-                          decode every peer's B
-      gather_messages:    write my A; barrier; read the peers' A; barrier
-    Why no call can overwrite what a peer still reads: every read of an A comes before a barrier
-    that its owner passes before writing A again; B is written only after the call's first
-    barrier, which a peer reaches only after it finished reading the previous B. The barrier
+    Layout: [ sends: W messages | shard: 1 message ]. Order of one call (all on this workspace's stream):
+      all_reduce:         write my sends; barrier; reduce every rank's message for me into my shard;
+                          barrier; decode every rank's shard
+      gather_messages:    write my sends; barrier; read the peers' sends; barrier
+    Why no call can overwrite what a peer still reads: every read of a rank's sends comes before a
+    barrier that its owner passes before writing them again; a shard is written only after the call's
+    first barrier, which a peer reaches only after it finished reading the previous shards. The barrier
     (taco_ext.barrier: the flags and protocol of symm_mem's own) consumes its signals (raise:
     0 -> 1 on the peer, lower: 1 -> 0 on mine), so a stale flag from an earlier call cannot
     satisfy a later one, also when a CUDA graph replays it.
@@ -185,38 +176,34 @@ class Workspace:
             if then is not None:
                 then()
 
-        return Pending(done)
+        return taco_ext.Pending(done)
 
-    def sum(self, x, cd, stats, async_op):
-        """taco.all_reduce of x over this workspace: compressed by codec cd, or for the codec `none`
-        PyTorch's own two-shot. A non-contiguous x is reduced in a contiguous copy, written back at
-        the end. Returns x, or with async_op a handle."""
+    @torch.compiler.disable  # raw addresses and a callback: run eagerly, also inside torch.compile
+    def all_reduce(self, x, cd, stats, async_op):
+        """taco.all_reduce of x over this workspace: steps 1-6 in one call into the binding (encode,
+        barrier, reduce, barrier, decode) on this workspace's stream, joined now, or with async_op at
+        handle.wait(); for the codec `none` PyTorch's own two-shot. A non-contiguous x is reduced in a
+        contiguous copy, written back at the end. Returns x, or with async_op a handle."""
         flat = x.contiguous().view(-1)
         then = None if flat.data_ptr() == x.data_ptr() else (lambda: x.copy_(flat.view_as(x)))
         if cd.name == "none":
-            handle = self.sum_uncompressed(flat, stats, async_op, then)
+            handle = self.uncompressed(flat, stats, async_op, then)
         else:
-            handle = self.two_shot(flat, cd, stats, async_op, then)
+            plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
+            if stats is not None:
+                stats.add(2 * (self.W - 1) * plan.p.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
+            taco_ext.load().two_shot(flat, plan, replay=True, join=not async_op)
+            handle = self._joined(async_op, then)
         return handle if async_op else x
-
-    @torch.compiler.disable  # raw addresses and a callback: run eagerly, also inside torch.compile
-    def two_shot(self, flat, cd, stats, async_op, then=None):
-        """Steps 1-6 in one call into the binding (encode, barrier, reduce, barrier, decode) on this
-        workspace's stream: joined now, or with async_op at handle.wait() (run)."""
-        plan = self.plans.get((flat.numel(), cd)) or self._plan(flat.numel(), cd)
-        if stats is not None:
-            stats.add(2 * (self.W - 1) * plan.S, 2 * (self.W - 1) * flat.numel() * flat.element_size() / self.W)
-        taco_ext.two_shot_peers(flat, plan, self.side, join=not async_op)  # on_side, in the binding
-        return self._joined(async_op, then)
 
     def _plan(self, n, cd):
         """make_plan for n elements, once per (n, codec) (the buffer grows only before a plan is
         made, and growing drops the plans)."""
         self.reserve((self.W + 1) * shard(cd, n, self.W)[1])
-        plan = self.plans[(n, cd)] = make_plan(cd, n, self.me, self.buf, self.ptrs, self.pads)
+        plan = self.plans[(n, cd)] = make_plan(cd, n, self.me, self.buf, self.ptrs, self.pads, self.side)
         return plan
 
-    def sum_uncompressed(self, flat, stats, async_op, then=None):
+    def uncompressed(self, flat, stats, async_op, then=None):
         """Uncompressed: PyTorch's own symmetric-memory two-shot all-reduce, the fastest
         uncompressed one inside a node and so a baseline to beat. Its input must live in symmetric
         memory: flat is copied in, and the sum is written back to flat (one extra copy of the
@@ -244,7 +231,7 @@ class Workspace:
         return self.run(fn, async_op, then)
 
     def gather_messages(self, cd, x, M, L, msg):
-        """Encode x as M messages into my A, then decode message `msg` of every rank's A
+        """Encode x as M messages into my sends, then decode message `msg` of every rank's sends
         (rank order) into a (W, L) fp32 tensor (reduce_scatter: msg = my rank; all_gather: M = 1)."""
         S = cd.nbytes(L)
         self.reserve(M * S)
@@ -254,7 +241,7 @@ class Workspace:
             taco_ext.load().encode(x.contiguous(), M, taco_ext.params(cd, L), self.buf[: M * S])
             taco_ext.barrier(self.pads, self.me, 0)
             taco_ext.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
-            taco_ext.barrier(self.pads, self.me, 1)  # nobody rewrites its A before all have read it
+            taco_ext.barrier(self.pads, self.me, 1)  # nobody rewrites its sends before all have read them
 
         self.run(fn, async_op=False)
         return out, S

@@ -66,7 +66,7 @@ def measure(comm, numel, in_features, dtype, device, codecs, reps=7):
             x,
             group=comm.group,
             codec=codec,
-            block_size=comm.block_size,
+            codec_block=comm.codec_block,
             chunks=comm.chunks,
             async_op=async_op,
             transport=comm.transport,

@@ -9,7 +9,9 @@ n_layer = 20
 n_head = 16
 n_embd = 2048
 block_size = 2048
-bias = False
+qkv_bias = False  # no biases anywhere (nanoGPT's bias=False)
+linear_bias = False
+norm_bias = False
 dropout = 0.0
 batch_size = 8  # 16k tokens per step (both TP ranks see the same batch)
 gradient_accumulation_steps = 1

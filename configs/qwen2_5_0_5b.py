@@ -5,7 +5,7 @@
 # From Hugging Face weights: add --init_from=path/to/Qwen2.5-0.5B (config.json + model.safetensors).
 out_dir = "out/qwen2_5_0_5b"
 dataset = "large_qwen2"
-arch = "qwen2"
+family = "qwen2"
 vocab_size = 151936
 n_layer = 24
 n_head = 14

@@ -4,7 +4,7 @@
 # 7.6B parameters with fp32 AdamW state are ~122 GB: ~30 GB per GPU at TP=4, plus activations.
 out_dir = "out/qwen2_5_7b"
 dataset = "large_qwen2"
-arch = "qwen2"
+family = "qwen2"
 vocab_size = 152064
 n_layer = 28
 n_head = 28

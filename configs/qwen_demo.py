@@ -7,7 +7,7 @@
 # The loss starts at ln(151936) = 11.9.
 out_dir = "out/qwen_demo"
 dataset = "small_qwen2"
-arch = "qwen2"
+family = "qwen2"
 vocab_size = 151936
 n_layer = 4
 n_head = 4

@@ -4,7 +4,8 @@
 # head), RMSNorm, rotary positions (base 1e6), SwiGLU 5.3x wide as 7B's, an untied head; width 448.
 out_dir = "out/study_qwen"
 dataset = "large"
-arch = "qwen2"
+family = "qwen2"
+tokenizer = "gpt2"  # the large corpus in GPT-2's tokens, not the family's own
 n_layer = 6
 n_head = 28
 n_kv_head = 4

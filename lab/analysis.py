@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 import parallel
 import taco
-from bench import RESULTS, ROOT, kernel_kind, save, table, trace_kernels
+from benchmarks.common import RESULTS, ROOT, kernel_kind, save, table, trace_kernels
 from lab.emulate import emulate_tp, emulated_all_reduce, parse_sites  # (and with it the codec `tahquant`)
-from tests.launcher import run_ranks
+from lab.ranks import run_ranks
 
 # -----------------------------------------------------------------------------
 # what the TP all-reduces carry: every codec's error on them, their histograms
@@ -38,15 +38,19 @@ def _capture_worker(rank, world, steps):
     model = GPT(GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=128), comm, seed=1337)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     batches = Batches("small", 64, 8, 1337, 0, "cpu")
-    captured, tp_sum = [], comm.sum
+    captured = []
 
-    def capturing(x, direction, async_op=False):  # wraps THE TP all-reduce of this comm
-        captured.append(("bwd" if direction == "bwd" else "fwd", x.detach().clone()))  # embed: a forward one
-        return tp_sum(x, direction, async_op)
+    def capturing(real):  # wraps THE TP all-reduce of one TPComm
+        def all_reduce(x, direction, async_op=False):
+            captured.append((direction, x.detach().clone()))
+            return real(x, direction, async_op)
+
+        return all_reduce
 
     for it in range(steps + 1):
-        if it == steps:
-            comm.sum = capturing  # the last step's all-reduce inputs
+        if it == steps:  # the last step's all-reduce inputs, of every TPComm the layers hold (TPComm.at)
+            for c in {id(m.comm): m.comm for m in model.modules() if hasattr(m, "comm")}.values():
+                c.all_reduce = capturing(c.all_reduce)
         x, y = batches.get("train", it)
         model(x, y)[1].backward()
         opt.step()

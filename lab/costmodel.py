@@ -33,7 +33,7 @@ import os
 import sys
 
 import taco
-from bench import RESULTS, save, table
+from benchmarks.common import RESULTS, save, table
 from model import GPTConfig
 
 LINKS = ("nvlink", "p2p_disabled")
@@ -106,7 +106,13 @@ def byte_ratio(codec):
 def shape(m):
     """(FLOPs per step, all-reduces per step, MiB per all-reduce) of a model at any TP degree."""
     cfg = GPTConfig(
-        n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"], block_size=m["block_size"], bias=m["bias"]
+        n_layer=m["n_layer"],
+        n_head=m["n_head"],
+        n_embd=m["n_embd"],
+        block_size=m["block_size"],
+        qkv_bias=m["bias"],
+        linear_bias=m["bias"],
+        norm_bias=m["bias"],
     )
     tokens = m["batch"] * m["block_size"]
     flops = (6 * cfg.num_params() + 12 * m["n_layer"] * m["n_embd"] * m["block_size"]) * tokens

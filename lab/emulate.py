@@ -29,13 +29,13 @@ import config
 import taco
 import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
-from model import ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelEmbedding, autocast_input
+from model import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, autocast_input
 
 
-def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, block_size=256):
+def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, codec_block=256):
     """What taco.all_reduce returns when rank r contributes partials[r], computed in one process with
     the same arithmetic (same shards, same fp32 rank-order sum, same re-encode)."""
-    cd = taco.get_codec(codec, block_size)
+    cd = taco.get_codec(codec, codec_block)
     W, n = len(partials), partials[0].numel()
     if cd is taco.IDENTITY:
         return taco.rank_order_sum(partials).view_as(partials[0]).to(partials[0].dtype)
@@ -75,7 +75,7 @@ class _EmulatedG(torch.autograd.Function):
     def forward(ctx, comm, direction, *partials):
         ctx.t = len(partials)
         parts = [p.contiguous() for p in partials]
-        return emulated_all_reduce(parts, codec=comm.codec_for(parts[0], direction), block_size=comm.block_size)
+        return emulated_all_reduce(parts, codec=comm.codec_for(parts[0], direction), codec_block=comm.codec_block)
 
     @staticmethod
     def backward(ctx, grad):
@@ -102,7 +102,7 @@ class _EmulatedF(torch.autograd.Function):
         gys = by_rank(gy.contiguous(), gy.dim() - 1, parts, t)
         wd = by_rank(w.to(gy.dtype), 0, parts, t)
         partials = [gys[r] @ wd[r] for r in range(t)]
-        gx = emulated_all_reduce(partials, codec=comm.codec_for(partials[0], "bwd"), block_size=comm.block_size)
+        gx = emulated_all_reduce(partials, codec=comm.codec_for(partials[0], "bwd"), codec_block=comm.codec_block)
         x2 = x.reshape(-1, x.shape[-1]).to(gy.dtype)
         g2 = [g.reshape(-1, g.shape[-1]) for g in gys]
         gw = from_ranks(torch.stack([g.t() @ x2 for g in g2]).to(w.dtype), 0, parts)
@@ -146,7 +146,7 @@ class EmulatedEmbedding(nn.Module):
         shards = self.weight.chunk(self.t, dim=0)
         per = shards[0].shape[0]
         return _EmulatedG.apply(
-            self.comm, "embed", *[VocabParallelEmbedding.lookup(idx, w, r * per) for r, w in enumerate(shards)]
+            self.comm, "fwd", *[VocabParallelEmbedding.lookup(idx, w, r * per) for r, w in enumerate(shards)]
         )
 
 
@@ -158,7 +158,7 @@ class SiteComm:
     site's compression off; the direction's own "none" and min_bytes still hold)."""
 
     def __init__(self, comm, codec):
-        self.comm, self.codec, self.block_size = comm, codec, comm.block_size
+        self.comm, self.codec, self.codec_block = comm, codec, comm.codec_block
 
     def codec_for(self, x, direction):
         chosen = self.comm.codec_for(x, direction)
@@ -220,11 +220,11 @@ def capture(model, cfg):
     not an eager run's twin (tests/test_emulation.py). Evaluation (no grad, eval mode) and other
     shapes run eagerly. One micro-batch per step only: the replayed backward writes its
     gradients into the same buffers every time, which a second micro-batch would overwrite."""
-    if cfg["gradient_accumulation_steps"] != 1 or not next(model.parameters()).is_cuda:
+    if cfg.gradient_accumulation_steps != 1 or not next(model.parameters()).is_cuda:
         raise SystemExit("config error: --graph needs a CUDA GPU and gradient_accumulation_steps=1")
-    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg["dtype"]]
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
     dev = next(model.parameters()).device
-    idx = torch.zeros(cfg["batch_size"], cfg["block_size"], dtype=torch.long, device=dev)
+    idx = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=dev)
     with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
         graphed = torch.cuda.make_graphed_callables(_LossOnly(model), (idx, idx.clone()))
     eager = model.forward
@@ -235,7 +235,7 @@ def capture(model, cfg):
             and torch.is_grad_enabled()
             and targets is not None
             and idx.shape == targets.shape
-            and tuple(idx.shape) == (cfg["batch_size"], cfg["block_size"])
+            and tuple(idx.shape) == (cfg.batch_size, cfg.block_size)
         ):
             return None, graphed(idx, targets)
         return eager(idx, targets, hidden)
@@ -245,21 +245,12 @@ def capture(model, cfg):
 
 def check(cfg, t):
     """The emulation's own launch checks (config.check does the rest)."""
-    if cfg["tp"] != 1 or cfg["pp"] != 1 or cfg["taco_chunks"] != 1 or cfg["sequence_parallel"]:
+    if cfg.tp != 1 or cfg.pp != 1 or cfg.taco_chunks != 1 or cfg.sequence_parallel:
         raise SystemExit(
             f"config error: TP={t} emulation runs on one process: tp=1, pp=1, taco_chunks=1, no sequence_parallel"
         )
     try:
-        config.check_layout(
-            t,
-            1,
-            t,
-            n_head=cfg["n_head"],
-            n_embd=cfg["n_embd"],
-            n_kv_head=cfg["n_kv_head"],
-            vocab_size=GPTConfig.from_settings(cfg).padded_vocab,
-            n_layer=cfg["n_layer"],
-        )
+        config.check_layout(t, 1, t, mc=cfg.model_config())
     except config.ConfigError as e:
         raise SystemExit(f"config error: TP={t} emulated: {e}")
 

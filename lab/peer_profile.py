@@ -16,7 +16,8 @@ import shutil
 import sys
 import tempfile
 
-from bench import PEER_SHAPES, peer_folder, run_nanogpt, run_ours, save, table, trace_kernels
+from benchmarks.common import save, table, trace_kernels
+from benchmarks.models import PEER_SHAPES, peer_folder, run_nanogpt, run_ours
 from lab.analysis import _length, _merge
 
 STEPS = 5

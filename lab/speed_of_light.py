@@ -6,7 +6,7 @@ The results are WRONG (every rank keeps its own partial sums); only the step tim
     torchrun --nproc_per_node=2 -m lab.speed_of_light all configs/gpt1b.py --compile=True   # fwd | bwd | all
     python bench.py e2e configs/gpt1b.py none,hint8,sol:fwd,sol:bwd,sol:all --nproc=2 -- --compile=True
 
-The skipped all-reduces are those of TPComm.sum (g forward, f backward): the ones the codecs
+The skipped all-reduces are those of TPComm.all_reduce (g forward, f backward): the ones the codecs
 compress. Sequence parallelism (reduce-scatter / all-gather) is not covered.
 """
 
@@ -14,7 +14,7 @@ import sys
 
 import train
 
-SKIP = {"fwd": ("fwd", "embed"), "bwd": ("bwd",), "all": ("fwd", "embed", "bwd")}  # the embedding's is a forward one
+SKIP = {"fwd": ("fwd",), "bwd": ("bwd",), "all": ("fwd", "bwd")}
 
 
 class _Done:
@@ -25,16 +25,16 @@ class _Done:
 
 
 def skipping(comm, directions):
-    """Replace comm.sum (on this instance) by one that returns its input untouched for the
+    """Replace comm.all_reduce (on this instance) by one that returns its input untouched for the
     given directions."""
-    real = comm.sum
+    real = comm.all_reduce
 
-    def skipped_sum(x, direction, async_op=False):
+    def skipped(x, direction, async_op=False):
         if direction in directions:
             return _Done() if async_op else x
         return real(x, direction, async_op)
 
-    comm.sum = skipped_sum
+    comm.all_reduce = skipped
 
 
 def main(argv):
@@ -43,7 +43,7 @@ def main(argv):
     which = argv[0]
 
     def hook(model, comm, cfg):
-        if cfg["sequence_parallel"]:
+        if cfg.sequence_parallel:
             raise SystemExit("lab.speed_of_light: not with sequence_parallel (its collectives are not skipped)")
         for c in {id(m.comm): m.comm for m in model.modules() if hasattr(m, "comm")}.values():
             skipping(c, SKIP[which])  # every TPComm the layers hold (TPComm.at: a block part's own)

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench import RESULTS, environment, save, split_at_dashes, table
+from benchmarks.common import RESULTS, environment, save, split_at_dashes, table
 
 STUDY = {  # group: (emulated TP degree, [(codec, block size)], config); "none" is the uncompressed baseline
     "table1": (8, [("none", 256), ("taco", 256), ("tahquant", 256), ("hint8", 256)], "configs/study.py"),

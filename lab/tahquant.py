@@ -40,7 +40,7 @@ class TahQuant:
     Same interface as Codec (B = the tile); PyTorch only, no fused kernel."""
 
     def __init__(self, name="tahquant", tile=64, int3_share=0.5, kappa=4.0):
-        self.name, self.B, self.int3_share, self.kappa = name, tile, int3_share, kappa
+        self.name, self.block, self.int3_share, self.kappa = name, tile, int3_share, kappa
         self.c = 1.0 / math.sqrt(tile)  # 1/8: exact in fp32
         # c * log2(c) for a count c of equal codes in a tile, as integers so sums are exact everywhere
         c = torch.arange(tile + 1, dtype=torch.float64)
@@ -51,10 +51,10 @@ class TahQuant:
         return self.clogc.to(device)
 
     def __repr__(self):
-        return f"TahQuant(tile={self.B}, int3_share={self.int3_share})"
+        return f"TahQuant(tile={self.block}, int3_share={self.int3_share})"
 
     def padded(self, n):
-        return cdiv(n, self.B) * self.B
+        return cdiv(n, self.block) * self.block
 
     def kernel_ok(self, t):
         return False  # no fused kernel: the reference everywhere
@@ -65,10 +65,10 @@ class TahQuant:
     def payload_bytes(self, T):
         """Code bytes of a message of T tiles: 32 per INT4 tile, 24 per INT3 tile."""
         k3 = self.n_int3(T)
-        return (T - k3) * self.B // 2 + k3 * self.B * 3 // 8
+        return (T - k3) * self.block // 2 + k3 * self.block * 3 // 8
 
     def nbytes(self, L):
-        T = L // self.B
+        T = L // self.block
         return cdiv(9 * T + self.payload_bytes(T), 16) * 16
 
     def _swap(self, g, piv):
@@ -83,9 +83,9 @@ class TahQuant:
         """(M, T, G/2) payload index of every tile's code bytes; the 8 bytes an INT3 tile does not use
         point at the spare byte M * P (past the payload). No data-dependent shapes, no host syncs."""
         M, T = int3.shape
-        size = torch.where(int3, self.B * 3 // 8, self.B // 2)
+        size = torch.where(int3, self.block * 3 // 8, self.block // 2)
         off = torch.cumsum(size, dim=1) - size + torch.arange(M, device=int3.device)[:, None] * P
-        j = torch.arange(self.B // 2, device=int3.device)
+        j = torch.arange(self.block // 2, device=int3.device)
         return torch.where(j < size[..., None], off[..., None] + j, M * P)
 
     def _quant(self, z, levels):
@@ -96,8 +96,8 @@ class TahQuant:
         return q.clamp(0, levels), lo, step
 
     def encode(self, x, M, L):
-        assert L % self.B == 0 and x.dim() == 1 and x.numel() <= M * L
-        T, G = L // self.B, self.B
+        assert L % self.block == 0 and x.dim() == 1 and x.numel() <= M * L
+        T, G = L // self.block, self.block
         g = torch.zeros(M * L, dtype=torch.float32, device=x.device)
         g[: x.numel()] = x
         g = g.view(M, T, G)
@@ -140,7 +140,7 @@ class TahQuant:
         return torch.cat((out, out.new_zeros(M, pad)), dim=1) if pad else out
 
     def _decode_ref(self, buf, L):
-        M, T, G = buf.shape[0], L // self.B, self.B
+        M, T, G = buf.shape[0], L // self.block, self.block
         P = self.payload_bytes(T)
         meta = buf[:, : 8 * T].contiguous().view(torch.float32).view(M, T, 2)
         flags = buf[:, 8 * T : 9 * T].int()

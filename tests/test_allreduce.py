@@ -159,7 +159,7 @@ def _mismatched(rank, world):
     for case in cases:
         codec, block, n, dtype = case[rank]
         try:
-            taco.all_reduce(torch.ones(n, dtype=dtype), codec=codec, block_size=block)
+            taco.all_reduce(torch.ones(n, dtype=dtype), codec=codec, codec_block=block)
             out.append("no error")
         except RuntimeError as e:
             out.append(str(e))
@@ -175,6 +175,9 @@ def test_ranks_that_disagree_are_told_so(world):
             "the ranks of a group pass different codecs, block sizes, element counts or dtypes" in m for m in msgs
         ), msgs
     if world == 2:
-        assert "rank 0: 'hint8', B=256, 1000 x torch.float32; rank 1: 'hint8', B=256, 1010 x torch.float32" in msgs[2]
+        assert (
+            "rank 0: 'hint8', block 256, 1000 x torch.float32; rank 1: 'hint8', block 256, 1010 x torch.float32"
+            in msgs[2]
+        )
     else:
-        assert "rank 2: 'hint8', B=256, 1100 x torch.float32" in msgs[0]
+        assert "rank 2: 'hint8', block 256, 1100 x torch.float32" in msgs[0]

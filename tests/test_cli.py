@@ -3,6 +3,7 @@
 a two-node launch, and the run's files (log.jsonl, out_dir)."""
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import checkpoint
 import config
-import train
+import hf
 from launcher import run_ranks
 from model import GPT, GPTConfig
 from sample import generate
@@ -33,41 +34,42 @@ MC = dict(n_layer=2, n_head=2, n_embd=32, block_size=32)
 def test_help_lists_every_setting_with_its_default_and_comment():
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
     lines = {ln.split("=")[0].strip(): ln for ln in p.stdout.splitlines() if ln.startswith("  --")}
-    assert set(lines) == {f"--{k}" for k in train.DEFAULTS}
+    defaults = config.Settings().as_dict()
+    assert set(lines) == {f"--{k}" for k in defaults}
     for key, line in lines.items():
         default, comment = line[:40].split("=", 1)[1].strip(), line[40:].strip()
         assert comment, f"{key} has no comment"
-        assert ast.literal_eval(default) == train.DEFAULTS[key[2:]], line
+        assert ast.literal_eval(default) == defaults[key[2:]], line
 
 
 def test_config_file_is_checked_like_the_command_line(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("max_iters = 20\nn_layers = 2\n")
     with pytest.raises(config.ConfigError, match=r"c.py:2: unknown setting 'n_layers'; did you mean n_layer\?"):
-        config.parse(train.DEFAULTS, [str(f)])
+        config.parse([str(f)])
     f.write_text("# a comment\nmax_iters = '20'\n")
     with pytest.raises(config.ConfigError, match=r"c.py:2: expected int"):
-        config.parse(train.DEFAULTS, [str(f)])
+        config.parse([str(f)])
     f.write_text("n_layer = 2\nlearning_rate = 1 / 0\n")
     with pytest.raises(config.ConfigError, match=r"c.py:2: ZeroDivisionError"):
-        config.parse(train.DEFAULTS, [str(f)])
+        config.parse([str(f)])
     f.write_text("n_layer = 2\nlearning_rate = 3e-4\nwarmup_iters = 4 * 5\n")
-    c = config.parse(train.DEFAULTS, [str(f), "--max_iters", "7", "--compile", "--resume", "False"])
-    assert (c["n_layer"], c["learning_rate"], c["warmup_iters"], c["max_iters"]) == (2, 3e-4, 20, 7)
-    assert c["compile"] is True and c["resume"] is False
+    c = config.parse([str(f), "--max_iters", "7", "--compile", "--resume", "False"])
+    assert (c.n_layer, c.learning_rate, c.warmup_iters, c.max_iters) == (2, 3e-4, 20, 7)
+    assert c.compile is True and c.resume is False
     with pytest.raises(config.ConfigError, match="did you mean max_iters"):
-        config.parse(train.DEFAULTS, ["--max_iter=5"])
+        config.parse(["--max_iter=5"])
     with pytest.raises(config.ConfigError, match="--max_iters needs a value"):
-        config.parse(train.DEFAULTS, ["--max_iters"])
+        config.parse(["--max_iters"])
 
 
 def test_a_tp_group_must_sit_inside_one_node():
-    c = config.parse(train.DEFAULTS, ["--tp=4"])
+    c = config.parse(["--tp=4"])
     with pytest.raises(config.ConfigError, match="a TP group must sit inside one node"):
         config.check(c, 8, local_world=2)
     assert (
         config.check(
-            config.parse(train.DEFAULTS, ["--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--eval_iters=2"]),
+            config.parse(["--tp=2", "--pp=2", "--gradient_accumulation_steps=2", "--eval_iters=2"]),
             8,
             local_world=2,
         )
@@ -93,7 +95,7 @@ def test_bad_data_files_are_refused_naming_the_file(tmp_path, content, message):
     else:
         (d / "train.bin").write_bytes(content)
     (d / "val.bin").write_bytes(b"\x01\x00" * 100)
-    c = config.parse(train.DEFAULTS, [f"--data_dir={tmp_path}", "--dataset=bad", "--block_size=16"])
+    c = config.parse([f"--data_dir={tmp_path}", "--dataset=bad", "--block_size=16"])
     with pytest.raises(config.ConfigError) as e:
         config.check(c, 1)
     assert message in str(e.value) and str(d / "train.bin") in str(e.value)
@@ -131,8 +133,8 @@ def test_hf_import_then_export_is_bit_exact(tmp_path):
     sd = _hf_weights()
     mc = GPTConfig(**MC)
     save_file(sd, str(tmp_path / "model.safetensors"))
-    get = checkpoint.from_hf(checkpoint.hf_read(str(tmp_path)), mc)
-    back = checkpoint.to_hf({n: get(n) for n in GPT(mc, seed=None).state_dict()}, mc)
+    get = hf.from_hf(hf.Weights(str(tmp_path)), mc)
+    back = hf.to_hf({n: get(n) for n in GPT(mc, seed=None).state_dict()}, mc)
     assert set(back) == set(sd)
     for k in sd:
         assert torch.equal(back[k], sd[k]), k
@@ -146,7 +148,7 @@ def test_init_from_at_tp2_pp2_and_export_round_trip(tmp_path):
     src, out, exported = tmp_path / "hf", tmp_path / "run", tmp_path / "exported"
     src.mkdir()
     torch.save(sd, src / "pytorch_model.bin")
-    json.dump(checkpoint.hf_config(GPTConfig(vocab_size=50257, **MC)), open(src / "config.json", "w"))
+    json.dump(hf.config_json(GPTConfig(vocab_size=50257, **MC)), open(src / "config.json", "w"))
     run(
         TINY
         + [
@@ -197,7 +199,7 @@ def test_qwen2_init_from_at_tp2_pp2_and_export_round_trip(tmp_path, name):
         TINY
         + shape
         + [
-            "--arch=qwen2",
+            "--family=qwen2",
             "--vocab_size=300",
             "--intermediate_size=48",
             "--norm_eps=1e-6",
@@ -221,7 +223,7 @@ def test_qwen2_init_from_at_tp2_pp2_and_export_round_trip(tmp_path, name):
     subprocess.run(
         [sys.executable, "sample.py", "export", str(out), str(exported)], cwd=ROOT, check=True, capture_output=True
     )
-    back, read = load_file(str(exported / "model.safetensors")), checkpoint.hf_read(src)
+    back, read = load_file(str(exported / "model.safetensors")), hf.Weights(src)
     assert len(back) == 2 + 12 * 2 + (name == "untied")  # embed, norm, 12 per block, the untied head
     for k, v in back.items():
         assert torch.equal(v, read(k)), k
@@ -231,7 +233,7 @@ def _tp2_greedy(rank, world, folder):
     mc = GPTConfig(vocab_size=50257, **MC)
     model = GPT(mc, comm_for(rank, world), seed=5).eval()
     os.makedirs(folder, exist_ok=True)
-    cfg = dict(train.DEFAULTS, **MC, tp=2)
+    cfg = config.Settings(**MC, tp=2).as_dict()
     sha = checkpoint.write_file(
         {"model": model.state_dict(), "config": cfg, "iter": 1, "layout": [2, 1], "run_id": "test"},
         os.path.join(folder, f"tp{rank}_pp0.pt"),
@@ -296,12 +298,11 @@ def test_prepare_with_qwen2_tokenizer_writes_uint32_that_training_reads(tmp_path
     x, y = Batches(str(tmp_path / "q"), 8, 2, 0, 0, "cpu").get("val", 0)
     assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 151646
     c = config.parse(
-        train.DEFAULTS,
-        [f"--data_dir={tmp_path}", "--dataset=q", "--block_size=8", "--arch=qwen2", "--vocab_size=151936"],
+        [f"--data_dir={tmp_path}", "--dataset=q", "--block_size=8", "--family=qwen2", "--vocab_size=151936"],
     )
     config.check(c, 1)
     with pytest.raises(config.ConfigError, match="outside the model's vocabulary of 50257: set --vocab_size"):
-        config.check(dict(c, vocab_size=50257), 1)
+        config.check(dataclasses.replace(c, vocab_size=50257), 1)
 
 
 def test_prepare_text_files_and_folders(tmp_path):

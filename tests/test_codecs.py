@@ -352,7 +352,7 @@ def test_unknown_codec_and_bad_block_size_are_refused():
     with pytest.raises(ValueError, match="unknown codec"):
         taco.get_codec("fp4")
     with pytest.raises(ValueError, match="power of two"):
-        taco.get_codec("taco", block_size=100)
+        taco.get_codec("taco", codec_block=100)
     assert taco.get_codec("none") is taco.IDENTITY
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-import bench
+import benchmarks.common as bench
 from lab import analysis, costmodel
 from launcher import launch
 from test_train import ROOT, TINY

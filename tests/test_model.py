@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import checkpoint
+import hf
 import sample
 from data.tokenizer import get_encoding
 from launcher import run_ranks
@@ -24,7 +25,7 @@ QWEN = {name: os.path.join(FIXTURES, f"hf_qwen2_{name}") for name in ("untied", 
 
 def from_hf_state_dict(sd, config, comm=None):
     model = GPT(config, comm, seed=None)
-    checkpoint.shard_into(model, checkpoint.from_hf(sd.__getitem__, config))
+    checkpoint.shard_into(model, hf.from_hf(sd.__getitem__, config))
     return model
 
 
@@ -70,9 +71,9 @@ def _hf_tp(rank, world):
     model = from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"]), comm_for(rank, world)).eval()
     out = {"gpt2": (full_logits(model, fx["idx"]), fx["logits"][:, -1, :])}
     for name, folder in QWEN.items():  # each rank reads only its slices' tensors
-        mc = checkpoint.hf_model_config(folder)
+        mc = hf.model_config(folder)
         q = GPT(mc, comm_for(rank, world), seed=None).eval()
-        checkpoint.shard_into(q, checkpoint.from_hf(checkpoint.hf_read(folder), mc))
+        checkpoint.shard_into(q, hf.from_hf(hf.Weights(folder), mc))
         out[name] = (full_logits(q, qwen_expected(name)["idx"]), qwen_expected(name)["logits"][:, -1, :])
     return out
 
@@ -90,7 +91,7 @@ def test_qwen2_folder_gives_hf_logits_and_greedy_tokens(name):
     """A Qwen2ForCausalLM folder (model.safetensors with a 5.x config; sharded safetensors with its index
     and a 4.x config): logits within 1e-5 of Hugging Face's, the same 8 greedy tokens."""
     ex, model = qwen_expected(name), sample.load(QWEN[name])
-    assert model.config.arch == "qwen2" and model.config.tie_embeddings == (name == "tied")
+    assert model.config.family == "qwen2" and model.config.tie_embeddings == (name == "tied")
     assert model.config.rope_theta == 1000.0 and model.config.norm_eps == 1e-6
     with torch.no_grad():
         logits, _ = model(ex["idx"], ex["idx"])
@@ -106,7 +107,7 @@ def test_qwen2_export_then_load_is_exact(tmp_path, name):
     written, as Hugging Face saves it) and a config that reads back as the same model."""
     dest = tmp_path / "out"
     sample.cli(["export", QWEN[name], str(dest)])
-    src = checkpoint.hf_read(QWEN[name])
+    src = hf.Weights(QWEN[name])
     back = load_file(str(dest / "model.safetensors"))
     index = os.path.join(QWEN[name], "model.safetensors.index.json")
     names = (
@@ -117,19 +118,17 @@ def test_qwen2_export_then_load_is_exact(tmp_path, name):
     assert set(back) == set(names)
     for k in names:
         assert torch.equal(back[k], src(k)), k
-    assert checkpoint.hf_model_config(str(dest)) == checkpoint.hf_model_config(QWEN[name])
+    assert hf.model_config(str(dest)) == hf.model_config(QWEN[name])
 
 
-@pytest.mark.parametrize("arch, vocab", [("gpt2", 50257), ("qwen2", 151936)])
-def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, arch, vocab):
+@pytest.mark.parametrize("family, vocab", [("gpt2", 50257), ("qwen2", 151936)])
+def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, family, vocab):
     """An exported folder holds its tokenizer: Hugging Face's AutoTokenizer reads it and gives our
     tokenizer's ids for the same text (English, digits, accents, CJK, emoji, runs of spaces) and
     decodes them back to that text (Qwen2: NFC-normalised, as its tokenizer is)."""
     transformers = pytest.importorskip("transformers")
     src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
-    checkpoint.save_hf(
-        GPT(GPTConfig(arch=arch, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32), seed=0), src
-    )
+    hf.save(GPT(GPTConfig(family=family, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32), seed=0), src)
     sample.cli(["export", src, dest])
     assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(os.listdir(dest))
     tok = transformers.AutoTokenizer.from_pretrained(dest)
@@ -137,9 +136,9 @@ def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, arch, vo
         "First Citizen:\nBefore we proceed any further, hear me speak.\n\n  1234567 + 89 = ?\tnaïve café "
         "Ünïcödé \u4e2d\u6587 \U0001f600 e\u0301 it's don't"
     )
-    ids = get_encoding(arch).encode_ordinary(text)
+    ids = get_encoding(family).encode_ordinary(text)
     assert tok(text)["input_ids"] == ids
-    assert tok.decode(ids) == (text if arch == "gpt2" else unicodedata.normalize("NFC", text))
+    assert tok.decode(ids) == (text if family == "gpt2" else unicodedata.normalize("NFC", text))
     assert tok.eos_token == "<|endoftext|>" and tok.model_max_length == 32
 
 
@@ -168,15 +167,19 @@ def _folder(tmp_path, edit=None, drop=None):
     "edit, drop, message",
     [
         (
-            lambda c: c.update(model_type="llama"),
+            lambda c: c.update(model_type="gemma"),
             None,
-            "model_type 'llama' is not supported; the families read are gpt2 and qwen2",
+            "model_type 'gemma' is not supported; the families read are gpt2, qwen2, llama, qwen3, mistral",
         ),
-        (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}), None, "scaled rotary positions"),
+        (
+            lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+            None,
+            "rotary scaling 'yarn' is not built here (default and llama3 are)",
+        ),
         (lambda c: c.update(use_sliding_window=True), None, "sliding-window attention"),
         (None, "model-00003-of-00005.safetensors", "model-00003-of-00005.safetensors is missing"),
         (lambda c: c.update(intermediate_size=40), None, "does not fit this model"),
-        (lambda c: c.update(num_hidden_layers=3), None, "the weights have no model.layers.2."),
+        (lambda c: c.update(num_hidden_layers=3), None, "config.json says 3 layers, the weights hold 2"),
         (None, "config.json", "no Hugging Face config.json"),
     ],
 )

@@ -147,7 +147,13 @@ def test_tp1_loss_leaves_out_the_vocabulary_padding():
 
 # --- the whole model: TP=N vs TP=1 -----------------------------------------------------------------
 
-CFG = GPTConfig(block_size=16, vocab_size=500, n_layer=2, n_head=4, n_embd=32, bias=True)
+CFG = GPTConfig(
+    block_size=16,
+    vocab_size=500,
+    n_layer=2,
+    n_head=4,
+    n_embd=32,
+)
 # Qwen2: grouped-query attention (4 query heads reading 2 key/value heads: at TP=4 one of each per
 # rank), SwiGLU, RMSNorm, rotary positions, an untied head
 QWEN = GPTConfig(
@@ -158,7 +164,7 @@ QWEN = GPTConfig(
     n_kv_head=4,
     n_embd=32,
     intermediate_size=40,
-    arch="qwen2",
+    family="qwen2",
     rope_theta=500.0,
     norm_eps=1e-6,
     tie_embeddings=False,
@@ -177,7 +183,7 @@ def _train_steps(model, steps=5, sp_grads=None):
         _, loss = model(x, y)
         loss.backward()
         if sp_grads is not None:
-            parallel.sync_sp_grads(list(model.parameters()), sp_grads)
+            parallel.sync_replicated_grads(list(model.parameters()), sp_grads)
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -297,10 +303,10 @@ def test_site_codecs_apply_to_their_block_part():
     [
         (dict(tp=2, pp=1, dp=1, world=4), "the world size 4 is not tp\\*pp\\*dp"),
         (dict(tp=2, pp=1, world=3), "launch a multiple of tp\\*pp = 2 processes"),
-        (dict(tp=3, pp=1, dp=1, world=3, n_head=4), "n_head=4 is not divisible by tp=3"),
-        (dict(tp=1, pp=3, dp=1, world=3, n_layer=4), "n_layer=4 is not divisible by pp=3"),
+        (dict(tp=3, pp=1, dp=1, world=3, mc=GPTConfig(n_head=4, n_embd=48)), "n_head=4 is not divisible by tp=3"),
+        (dict(tp=1, pp=3, dp=1, world=3, mc=GPTConfig(n_layer=4)), "n_layer=4 is not divisible by pp=3"),
         (dict(tp=0, pp=1, dp=1, world=1), "must be a positive integer"),
-        (dict(tp=5, pp=1, dp=1, world=5, n_head=5, n_embd=80, vocab_size=50304), "vocabulary"),
+        (dict(tp=5, pp=1, dp=1, world=5, mc=GPTConfig(n_head=5, n_embd=80)), "vocabulary"),
         (dict(tp=1, pp=2, world=2, schedule="zigzag"), "schedule='zigzag': choose 1f1b or gpipe"),
     ],
 )
@@ -420,7 +426,7 @@ def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradie
     class Comm:
         size, sp = 2, False
 
-        def sum(self, x, direction, async_op=False):
+        def all_reduce(self, x, direction, async_op=False):
             assert direction == "bwd" and async_op
             events.append("start")
             x.mul_(2)  # a stand-in "sum over 2 identical ranks"

@@ -303,7 +303,7 @@ def test_the_pipeline_applies_each_direction_its_own_codec():
 
 # --- the Qwen2 family under the layouts: grouped-query attention, SwiGLU, RMSNorm, rotary, untied head ---
 QWEN = TINY + [
-    "--arch=qwen2",
+    "--family=qwen2",
     "--n_head=4",
     "--n_kv_head=2",
     "--intermediate_size=48",

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import parallel
-import train
 import watchdog
 from model import GPT
 from test_train import ROOT, TINY, run
@@ -155,8 +155,8 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
 
 def _run(out_dir, seed=0, run_id="a"):
     """What checkpoint.save and resume see of a run (one process; a tiny model)."""
-    cfg = dict(train.DEFAULTS, out_dir=str(out_dir), n_layer=1, n_head=2, n_embd=32, block_size=32, seed=seed)
-    model = GPT(checkpoint.model_config(cfg), seed=seed)
+    cfg = config.Settings(out_dir=str(out_dir), n_layer=1, n_head=2, n_embd=32, block_size=32, seed=seed)
+    model = GPT(cfg.model_config(), seed=seed)
     return SimpleNamespace(
         cfg=cfg,
         grid=parallel.Grid(),
@@ -296,21 +296,21 @@ def test_a_resume_takes_only_the_out_dirs_own_run(tmp_path):
     ):
         checkpoint.resume(_run(mine))
     r = _run(mine)
-    r.cfg["resume_from"] = str(foreign)
+    r.cfg.resume_from = str(foreign)
     assert checkpoint.resume(r) == str(foreign) and (r.it0, r.run_id) == (6, "b")
     shutil.rmtree(foreign)
     r = _run(mine)
-    r.cfg["max_iters"] = 4
+    r.cfg.max_iters = 4
     with pytest.raises(SystemExit, match="is at iteration 4, and max_iters=4: nothing left to train"):
         checkpoint.resume(r)
 
 
 def _agreement(rank, world, folder, iters):
     """Rank r resumes from a set whose file for r says iteration iters[r] (each file's checksum right)."""
-    cfg = dict(train.DEFAULTS, out_dir=folder, n_layer=1, n_head=2, n_embd=32, block_size=32, tp=world)
+    cfg = config.Settings(out_dir=folder, n_layer=1, n_head=2, n_embd=32, block_size=32, tp=world)
     grid = parallel.Grid(rank=rank, world=world, tp=world, tp_rank=rank)
     model = GPT(
-        checkpoint.model_config(cfg),
+        cfg.model_config(),
         parallel.TPComm(group=torch.distributed.group.WORLD, size=world, rank=rank),
         seed=0,
     )
@@ -322,7 +322,7 @@ def _agreement(rank, world, folder, iters):
             "model": model.state_dict(),
             "optimizer": r.opt.state_dict(),
             "iter": iters[rank],
-            "config": cfg,
+            "config": cfg.as_dict(),
             "layout": [world, 1],
             "run_id": "a",
         },
@@ -420,7 +420,7 @@ def test_init_from_weights_of_the_wrong_shape_end_without_a_traceback(tmp_path):
     p = run(
         TINY
         + [
-            "--arch=qwen2",
+            "--family=qwen2",
             "--vocab_size=300",
             "--n_head=4",
             "--intermediate_size=40",

@@ -23,3 +23,12 @@ def test_every_python_file_is_formatted():
 def test_ruff_check_is_clean():
     out = ruff("check", ".")
     assert out.returncode == 0, f"ruff check (pyflakes, import order; `ruff check --fix .`):\n{out.stdout}{out.stderr}"
+
+
+def test_the_book_stays_under_its_ceiling():
+    """model.py -> parallel.py -> taco.py -> the kernels -> train.py, counted as printed (python -m lab.book)."""
+    from lab import book
+
+    assert shutil.which("ruff"), "ruff is not installed: pip install -r requirements.txt"
+    total = sum(n for _, n in book.counts())
+    assert total <= book.CEILING, f"the book is {total} lines, over its ceiling of {book.CEILING}"

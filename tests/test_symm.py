@@ -171,26 +171,26 @@ def _one_rank_cases(rank, world):
         x[n // 2] = float("nan")
         ref = _codec_steps(cd, [x])
         a, b, c = x.clone(), x.clone(), x.clone()
-        ws.two_shot(a, cd, None, async_op=False)  # captured as a graph, which runs
-        h = ws.two_shot(b, cd, None, async_op=True)
+        ws.all_reduce(a, cd, None, async_op=False)  # captured as a graph, which runs
+        h = ws.all_reduce(b, cd, None, async_op=True)
         h.wait()
         ok = same(a, ref) and same(b, ref)
         a.copy_(x)
-        ws.two_shot(a, cd, None, async_op=False)  # the graph replayed
-        taco_ext.two_shot_peers(c, ws.plans[(n, cd)], ws.side, join=True, replay=False)  # five launches
+        ws.all_reduce(a, cd, None, async_op=False)  # the graph replayed
+        taco_ext.load().two_shot(c, ws.plans[(n, cd)], replay=False)  # five launches
         out[f"{codec} {n} {dtype}"] = (ok, same(a, ref) and same(c, ref))
     cd, x, y = taco.get_codec("hint8"), _data(1 << 20, torch.bfloat16, 5, 0), _data(1 << 20, torch.bfloat16, 6, 0)
     a, b = x.clone(), y.clone()  # an eager call while an async one is unfinished: in order
-    h = ws.two_shot(a, cd, None, async_op=True)
-    ws.two_shot(b, cd, None, async_op=False)
+    h = ws.all_reduce(a, cd, None, async_op=True)
+    ws.all_reduce(b, cd, None, async_op=False)
     h.wait()
     out["async, then eager before its wait"] = (same(a, _codec_steps(cd, [x])), same(b, _codec_steps(cd, [y])))
     x = _data(1 << 16, torch.bfloat16, 4, 0)
     s, graph = x.clone(), torch.cuda.CUDAGraph()
-    ws.two_shot(s, cd, None, async_op=False)  # once before capturing (the plan)
+    ws.all_reduce(s, cd, None, async_op=False)  # once before capturing (the plan)
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        ws.two_shot(s, cd, None, async_op=True).wait()
+        ws.all_reduce(s, cd, None, async_op=True).wait()
     for _ in range(3):
         s.copy_(x)
         graph.replay()
@@ -235,12 +235,13 @@ def test_two_ranks_on_one_gpu():
         xs = [_data(n, dtype, i, r) for r in range(W)]
         xs[1][n // 3] = float("nan")
         ref = _codec_steps(cd, xs)
-        plans = [taco_symm.make_plan(cd, n, r, bufs[r], [b.data_ptr() for b in bufs], pads) for r in range(W)]
+        ptrs = [b.data_ptr() for b in bufs]
+        plans = [taco_symm.make_plan(cd, n, r, bufs[r], ptrs, pads, sides[r]) for r in range(W)]
         ys = [x.clone() for x in xs]
         for how in ("graph captured", "graph replayed", "five launches"):
             for r in range(W):
                 ys[r].copy_(xs[r])
-                taco_ext.two_shot_peers(ys[r], plans[r], sides[r], join=False, replay=how != "five launches")
+                taco_ext.load().two_shot(ys[r], plans[r], replay=how != "five launches", join=False)
                 if i == 0 and r == 0:
                     time.sleep(0.2)
                     assert not streams[0].query(), f"{how}: rank 0 passed the barrier alone"

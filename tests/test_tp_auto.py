@@ -6,7 +6,6 @@ import torch
 
 import config
 import tp_auto
-import train
 from launcher import run_ranks
 from test_parallel import comm_for
 
@@ -49,6 +48,6 @@ def test_auto_without_gpus_is_none_and_is_a_valid_setting():
     comm = comm_for(0, 1, fwd_codec="auto", bwd_codec="hint6")  # a direction given explicitly stays
     tp_auto.choose(comm, 1 << 20, 64, torch.float32, torch.device("cpu"))
     assert (comm.fwd_codec, comm.bwd_codec) == ("none", "hint6")
-    config.check(config.parse(train.DEFAULTS, ["--tp_codec=auto", "--tp_auto_bits=6"]), 1)
+    config.check(config.parse(["--tp_codec=auto", "--tp_auto_bits=6"]), 1)
     with pytest.raises(config.ConfigError, match="tp_auto_bits=4"):
-        config.check(config.parse(train.DEFAULTS, ["--tp_codec=auto", "--tp_auto_bits=4"]), 1)
+        config.check(config.parse(["--tp_codec=auto", "--tp_auto_bits=4"]), 1)

@@ -104,7 +104,7 @@ def test_resume_is_bit_exact(tmp_path, zero):
     extra, nproc = {
         False: ([], 1),
         True: (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2),
-        "qwen2": (["--arch=qwen2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2),
+        "qwen2": (["--family=qwen2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2),
     }[zero]
     common = TINY + extra + ["--max_iters=6", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6"]
     run(common + [f"--out_dir={a}"], nproc=nproc)
@@ -163,11 +163,15 @@ def test_resume_is_bit_exact(tmp_path, zero):
         (["--beta2=1.0"], "beta2=1.0 must be in [0, 1)"),
         (["--timeout=0"], "timeout=0 must be >= 1"),
         # the Qwen2 family's heads: whole key/value heads per TP rank, whole query groups per key/value head
-        (["--arch=llama"], "arch='llama': choose one of gpt2, qwen2"),
-        (["--arch=qwen2", "--n_head=4", "--n_kv_head=3"], "n_head=4 is not a multiple of n_kv_head=3"),
-        (["--arch=qwen2", "--tp=2", "--n_head=4", "--n_kv_head=1"], "n_kv_head=1 is not divisible by tp=2"),
-        (["--arch=qwen2", "--tp=4", "--n_head=6", "--n_kv_head=2", "--n_embd=96"], "n_head=6 is not divisible by tp=4"),
-        (["--arch=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
+        (["--family=gemma"], "family='gemma': choose one of gpt2, qwen2, llama, qwen3, mistral"),
+        (["--arch=qwen2"], "unknown setting 'arch'; it is now family"),
+        (["--family=qwen2", "--n_head=4", "--n_kv_head=3"], "n_head=4 is not a multiple of n_kv_head=3"),
+        (["--family=qwen2", "--tp=2", "--n_head=4", "--n_kv_head=1"], "n_kv_head=1 is not divisible by tp=2"),
+        (
+            ["--family=qwen2", "--tp=4", "--n_head=6", "--n_kv_head=2", "--n_embd=96"],
+            "n_head=6 is not divisible by tp=4",
+        ),
+        (["--family=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
         (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
         (
             ["--block_size=50000"],
@@ -176,20 +180,20 @@ def test_resume_is_bit_exact(tmp_path, zero):
         ),
         (["--resume_from=out/x/ckpt/iter_00000004"], "needs --resume and a complete checkpoint set"),
         (
-            ["--init_from=tests/fixtures/hf_qwen2_untied"],
-            "holds a qwen2 model these settings do not describe: pass --arch=qwen2 --vocab_size=300",
+            ["--init_from=tests/fixtures/hf_qwen2_untied", "--n_layer=3", "--family=qwen2"],
+            "holds a qwen2 model that these settings contradict: n_layer=3 (the folder's: 2)",
         ),
+        (["--init_from=tests/fixtures/hf_qwen2_untied"], "outside the model's vocabulary of 300"),
         (["--init_from=tests"], "--init_from=tests: tests has no config.json"),
     ],
 )
 def test_bad_config_is_refused_before_launch(args, message):
     """train.py's own checks, in this process (what train.main runs before anything starts)."""
     import config
-    import train
 
-    world = 4 if "--tp=4" in args else 2 if "--pp=2" in args or {"--tp=2", "--arch=qwen2"} <= set(args) else 1
+    world = 4 if "--tp=4" in args else 2 if "--pp=2" in args or {"--tp=2", "--family=qwen2"} <= set(args) else 1
     with pytest.raises(config.ConfigError) as e:
-        config.check(config.parse(train.DEFAULTS, args), world)
+        config.check(config.parse(args), world)
     assert message in str(e.value)
 
 
@@ -256,8 +260,7 @@ def test_gpt7b_layouts_for_4_and_8_gpus_pass_the_launch_checks(world, layout):
     """The TP=4/8 layouts of configs/gpt7b.py (for 4- and 8-GPU machines) are accepted before launch
     (here on CPU, the small dataset standing in for the large one)."""
     import config
-    import train
 
-    g = config.parse(train.DEFAULTS, ["configs/gpt7b.py", *layout, "--device=cpu", "--dataset=small"])
-    assert (g["n_layer"], g["n_embd"], g["n_head"]) == (32, 4096, 32)
+    g = config.parse(["configs/gpt7b.py", *layout, "--device=cpu", "--dataset=small"])
+    assert (g.n_layer, g.n_embd, g.n_head) == (32, 4096, 32)
     config.check(g, world)  # raises ConfigError naming the fix if not
