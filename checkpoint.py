@@ -28,7 +28,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
+from model import FAMILIES, GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
 LAYOUT_KEYS = ("tp", "pp", "zero1")  # the settings a set's files are cut by
 CHANGEABLE = ("dropout",)  # model settings a resume may change (docs/RELIABILITY.md lists the run's)
@@ -349,8 +349,8 @@ def saved_model_config(ck):
     if "model_config" in ck:
         return ck["model_config"]
     old = dict(ck["config"])
-    family, bias = old.pop("arch", "gpt2"), old.pop("bias", True)
-    parts = dict(qkv_bias=bias, linear_bias=bias, norm_bias=bias) if family == "gpt2" else dict(qkv_bias=bias)
+    family, bias = old.pop("arch", "gpt2"), old.pop("bias", True)  # `bias` switched the family's biases
+    parts = {p: bias for p in ("qkv_bias", "linear_bias", "norm_bias") if getattr(FAMILIES[family], p)}
     return dataclasses.asdict(GPTConfig.from_settings({**old, "family": family, **parts}))
 
 

@@ -29,6 +29,7 @@ class Layout:
     keys: dict  # GPTConfig field -> its config.json key
     defaults: dict  # GPTConfig fields a config.json may leave out: transformers' defaults
     extra: dict  # config.json's other keys, as an export writes them
+    activation: tuple  # config.json's key of the MLP's activation, and the values the family's MLP is
     transposed: tuple = ()  # names stored (in, out): GPT-2's Conv1D weights
 
 
@@ -82,6 +83,8 @@ LLAMA_KEYS = {
 }
 ROTARY = {"n_kv_head": 0, "head_dim": 0, "norm_eps": 1e-6, "tie_embeddings": False}  # transformers' defaults
 SILU = {"hidden_act": "silu", "attention_dropout": 0.0}
+SILU_ACTS = ("hidden_act", ("silu", "swish"))
+GELU_ACTS = ("activation_function", ("gelu_new", "gelu_pytorch_tanh"))
 LAYOUTS = {  # Hugging Face model_type -> its layout
     "gpt2": Layout(
         "gpt2",
@@ -91,6 +94,7 @@ LAYOUTS = {  # Hugging Face model_type -> its layout
         GPT2_KEYS,
         {"intermediate_size": 0, "norm_eps": 1e-5, "tie_embeddings": True, "max_positions": 1024},
         {"activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+        GELU_ACTS,
         ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight"),
     ),
     "qwen2": Layout(
@@ -101,6 +105,7 @@ LAYOUTS = {  # Hugging Face model_type -> its layout
         LLAMA_KEYS,
         {**ROTARY, "max_positions": 32768},
         {**SILU, "use_sliding_window": False},
+        SILU_ACTS,
     ),
     "llama": Layout(
         "llama",
@@ -110,6 +115,7 @@ LAYOUTS = {  # Hugging Face model_type -> its layout
         LLAMA_KEYS,
         {**ROTARY, "max_positions": 2048},
         {**SILU, "attention_bias": False, "mlp_bias": False},
+        SILU_ACTS,
     ),
     "qwen3": Layout(
         "qwen3",
@@ -119,6 +125,7 @@ LAYOUTS = {  # Hugging Face model_type -> its layout
         LLAMA_KEYS,
         {**ROTARY, "max_positions": 32768},
         {**SILU, "attention_bias": False, "use_sliding_window": False},
+        SILU_ACTS,
     ),
     "mistral": Layout(
         "mistral",
@@ -128,12 +135,10 @@ LAYOUTS = {  # Hugging Face model_type -> its layout
         LLAMA_KEYS,
         {**ROTARY, "max_positions": 131072},
         {**SILU, "sliding_window": None},
+        SILU_ACTS,
     ),
 }
 LAYOUT_OF = {layout.family: layout for layout in LAYOUTS.values()}
-# what a folder's config.json may say, and the parts it then needs (anything else is refused by name)
-SILU_ACTS = ("silu", "swish")
-GELU_ACTS = ("gelu_new", "gelu_pytorch_tanh")
 
 
 # -----------------------------------------------------------------------------
@@ -164,28 +169,27 @@ def model_config(folder):
             values[ours] = layout.defaults[ours]
         else:
             raise ValueError(f"{path} has no {theirs!r} (the model's {ours}): not a complete {kind} config.json")
-    unbuilt = [why for bad, why in refusals(hf, kind) if bad]
+    unbuilt = [why for bad, why in refusals(hf, layout, values["max_positions"]) if bad]
     if unbuilt:
         raise ValueError(
             f"{path}: this {kind} model uses {'; '.join(unbuilt)}, which the {layout.family} family here does not build"
         )
-    rope = rope_settings(hf, path) if kind != "gpt2" else {}
+    rope = rope_settings(hf, path) if FAMILIES[layout.family].positions == "rotary" else {}
     return GPTConfig(family=layout.family, block_size=values["max_positions"], **values, **rope)
 
 
-def refusals(hf, kind):
+def refusals(hf, layout, context):
     """(is it so, why it cannot be built) for what a config.json may hold beyond the family's parts."""
-    act = hf.get("activation_function" if kind == "gpt2" else "hidden_act", GELU_ACTS[0] if kind == "gpt2" else "silu")
-    window = hf.get("sliding_window")
-    layers = hf.get("layer_types") or []
+    key, acts = layout.activation
+    act = hf.get(key, acts[0])
+    window, switch = hf.get("sliding_window"), hf.get("use_sliding_window")
+    sliding = bool(switch) or "sliding_attention" in (hf.get("layer_types") or [])
+    short = switch is None and window is not None and window < context  # a window that no flag turns off
     return [
-        (act not in (GELU_ACTS if kind == "gpt2" else SILU_ACTS), f"the activation {act!r}"),
-        (bool(hf.get("use_sliding_window")) or "sliding_attention" in layers, "sliding-window attention"),
-        (
-            kind == "mistral" and window is not None and window < hf.get("max_position_embeddings", 0),
-            f"a sliding window of {window} tokens, shorter than its context (full attention would differ)",
-        ),
-        (kind in ("llama", "mistral", "qwen3") and bool(hf.get("attention_bias")), "biases on the attention"),
+        (act not in acts, f"the activation {act!r}"),
+        (sliding, "sliding-window attention"),
+        (short, f"a sliding window of {window} tokens, shorter than its context (full attention would differ)"),
+        (bool(hf.get("attention_bias")) and not FAMILIES[layout.family].qkv_bias, "biases on the attention"),
         (bool(hf.get("mlp_bias")), "biases on the MLP"),
     ]
 
@@ -233,7 +237,7 @@ def config_json(mc):
         raise ValueError(f"family {mc.family!r} has no Hugging Face layout here")
     family = FAMILIES[mc.family]
     differ = [f"{p}={getattr(mc, p)}" for p in PARTS if getattr(mc, p) != getattr(family, p)]
-    if mc.family == "gpt2" and mc.n_kv_head != mc.n_head:
+    if "n_kv_head" not in layout.keys and mc.n_kv_head != mc.n_head:
         differ.append(f"n_kv_head={mc.n_kv_head} (grouped-query attention)")
     if differ:
         raise ValueError(f"{layout.architecture} cannot hold this model: it has {', '.join(differ)}")

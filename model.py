@@ -137,11 +137,11 @@ def autocast_input(x):
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = f(X) A^T + b with A split by output rows; each rank owns out/tp outputs. No
+    """y = f(x) A^T + b with A split by output rows; each rank owns out/tp outputs. No
     communication in forward; f all-reduces the input gradient in backward.
 
-        A = [ A_0 ]   rank 0 computes X A_0^T  (B, T, out/tp)
-            [ A_1 ]   rank 1 computes X A_1^T
+        A = [ A_0 ]   rank 0 computes x A_0^T  (B, T, out/tp)
+            [ A_1 ]   rank 1 computes x A_1^T
     `sections` (sizes summing to d_out) splits the output first (QKV: [Q|K|V], SwiGLU: [gate|up])
     and gives each rank its slice of every section, so rank r owns whole heads of Q, K and V."""
 
@@ -163,10 +163,10 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = g(X A^T) + b with A split by input columns; the input arrives already split (the
+    """y = g(x A^T) + b with A split by input columns; the input arrives already split (the
     output of a column-parallel layer), each rank computes a partial sum, g all-reduces it.
 
-        A = [ A_0 | A_1 ]   Y = X_0 A_0^T + X_1 A_1^T   (the sum is the TP all-reduce)
+        A = [ A_0 | A_1 ]   y = x_0 A_0^T + x_1 A_1^T   (the sum is the TP all-reduce)
     The bias is added once, after the reduction."""
 
     def __init__(self, d_in, d_out, comm, bias=True):
@@ -368,9 +368,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The whole model (stages=1) or one pipeline stage of it: stage s of S owns blocks [s*L/S,
-    (s+1)*L/S); the first stage also owns the embeddings, the last the final norm and the LM head,
-    a column-parallel linear. Tied, its weight IS the token embedding's: with S > 1 the last stage
+    """The whole model (stages=1) or one pipeline stage of it: stage s owns blocks [s * per, (s + 1) * per),
+    per = n_layer / stages; the first stage also owns the embeddings, the last the final norm and the LM
+    head, a column-parallel linear. Tied, its weight IS the token embedding's: with stages > 1 the last stage
     holds a copy of wte whose gradient is summed with the first stage's every step
     (parallel.sync_tied_grads), so the two stay equal; untied, it is the last stage's own weight."""
 

@@ -276,7 +276,7 @@ def sync_replicated_grads(params, comm):
 
 
 def pipeline_schedule(kind, microbatches, stage, stages):
-    """The order in which one stage runs the forward (F) and backward (B) of each microbatch.
+    """The order in which one stage runs the forward ("fwd") and backward ("bwd") of each microbatch.
     gpipe: all forwards, then all backwards; a stage holds all n microbatches' activations.
     1f1b (PipeDream-flush, Narayanan et al. 2021): stages - stage - 1 warm-up forwards, then one
     forward / one backward in turn, then the remaining backwards; at most stages - stage in flight.
@@ -284,12 +284,12 @@ def pipeline_schedule(kind, microbatches, stage, stages):
     (check_layout refuses other kinds.)"""
     n = microbatches
     if kind == "gpipe":
-        return [("F", i) for i in range(n)] + [("B", i) for i in range(n)]
+        return [("fwd", i) for i in range(n)] + [("bwd", i) for i in range(n)]
     warm = min(stages - stage - 1, n)
-    acts = [("F", i) for i in range(warm)]
+    acts = [("fwd", i) for i in range(warm)]
     for i in range(warm, n):
-        acts += [("F", i), ("B", i - warm)]
-    return acts + [("B", i) for i in range(n - warm, n)]
+        acts += [("fwd", i), ("bwd", i - warm)]
+    return acts + [("bwd", i) for i in range(n - warm, n)]
 
 
 def send_stage(t, dst, codec, stats=None):
@@ -347,7 +347,7 @@ def run_pipeline(
             print(f"[rank {grid.rank} stage {grid.pp_rank}] {msg}", flush=True)
 
     for kind, i in actions:
-        if kind == "F":
+        if kind == "fwd":
             h = None
             if not first:
                 h = recv_stage(shape, dtype, device, prev, cd_f)

@@ -1,7 +1,7 @@
 // taco_kernels.cu — fused TACO codec kernels: compress, decompress, decompress-reduce-compress.
 //
-// Work split: a warp owns K = 4 blocks of BLOCK = 256 elements and runs them in lock step (all loads
-// issued first, then each stage for the K blocks: independent instructions that hide latency), and
+// Work split: a warp owns GROUP = 4 blocks of BLOCK = 256 elements and runs them in lock step (all loads
+// issued first, then each stage for the GROUP blocks: independent instructions that hide latency), and
 // loops over such groups, fetching the next group's input while it computes this one (decode and the
 // reduce step into registers; encode into shared memory, cp.async, which holds no registers: the loads,
 // stores and staging are in taco_kernels_io.cuh). A block is read from global memory once, written once.
@@ -28,13 +28,13 @@
 #include <cstdio>
 #include <cuda_fp8.h>
 
-#include "taco_kernels_io.cuh"   // BLOCK, E, K, WARPS, FULL; loads, staging, conversions, stores; grid, capture
+#include "taco_kernels_io.cuh"   // BLOCK, E, GROUP, WARPS, FULL; loads, staging, conversions, stores; grid, capture
 
 namespace {
 
 constexpr int EW = 4;                  // warps per CTA in encode
 constexpr int ENC_CTAS = 7;            // encode's CTAs per SM, so at most 72 registers (__launch_bounds__)
-constexpr int KR = 2;                  // blocks per warp in reduce-encode (it holds two sets of values)
+constexpr int RGROUP = 2;              // blocks per warp in reduce-encode (it holds two sets of values)
 constexpr long long RED_CTAS_PER_SM = 16;  // reduce-encode's grid cap; past it its warps loop over groups
 constexpr int SMW = BLOCK + BLOCK / 8; // shared words per block: 4 padding words after every 32
 constexpr unsigned CANONICAL_NAN = 0x7fc00000u;   // what torch.tensor(float("nan")) stores
@@ -57,14 +57,14 @@ __device__ __forceinline__ int touched_blocks(long long rem, int nbs) {
 
 // --- the Walsh-Hadamard transform: butterflies inside a lane, layout changes through shared memory -
 
-// the butterflies whose partners differ in register bit H: (a, b) -> (a + b, a - b)
-template <int H>
+// the butterflies whose partners differ in register bit BIT: (a, b) -> (a + b, a - b)
+template <int BIT>
 __device__ __forceinline__ void butterflies(float v[E]) {
   UNROLL for (int j = 0; j < E; j++) {
-    if (!(j & H)) {
-      float a = v[j], b = v[j + H];
+    if (!(j & BIT)) {
+      float a = v[j], b = v[j + BIT];
       v[j] = a + b;
-      v[j + H] = a - b;
+      v[j + BIT] = a - b;
     }
   }
 }
@@ -556,7 +556,7 @@ __device__ __forceinline__ const uint8_t* message(const TacoMsgs& m, long long i
 template <int FMT>
 __host__ __device__ constexpr bool decode_ahead() { return FMT != TACO_INT6; }
 
-// --- kernels: grid (groups of WARPS * K blocks, messages), capped: each warp strides over groups,
+// --- kernels: grid (groups of WARPS * GROUP blocks, messages), capped: each warp strides over groups,
 // issuing the next group's loads before this group's math (not INT6 decode) -----------------------
 
 // 4 warps per CTA and at most 72 registers, so that 7 CTAs (28 warps) fit on an SM: the next group's
@@ -564,33 +564,33 @@ __host__ __device__ constexpr bool decode_ahead() { return FMT != TACO_INT6; }
 template <int FMT, bool ROT, bool SCALE>
 __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x, int dt, long long n,
                                                                      TacoParams p, uint8_t* out) {
-  __shared__ __align__(16) float smem[EW][K][SMW];
+  __shared__ __align__(16) float smem[EW][GROUP][SMW];
   extern __shared__ __align__(16) uint4 staged_input[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * EW * K;
-  int first = (blockIdx.x * EW + warp) * K;
+  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * EW * GROUP;
+  int first = (blockIdx.x * EW + warp) * GROUP;
   if (first >= nbs) return;                    // the whole warp: no lane waits at a __syncwarp
   const long long msg = blockIdx.y, base = msg * p.L;   // the message's first element
   uint8_t* const m = out + msg * p.S;
-  // groups first + K <= whole lie inside x, and are staged when x is 16-byte aligned
+  // groups first + GROUP <= whole lie inside x, and are staged when x is 16-byte aligned
   const int whole = (reinterpret_cast<uintptr_t>(x) & 15) ? 0 : whole_blocks(n - base, nbs);
   const bool f32 = dt == TACO_F32;
-  uint4* const st = staged_input + warp * K * (f32 ? 64 : 32);
+  uint4* const st = staged_input + warp * GROUP * (f32 ? 64 : 32);
   bool staged = false;                         // the first group is loaded directly, the next ones staged
   for (;;) {
-    const int nk = min(K, nbs - first);
-    float v[K][E];
+    const int nk = min(GROUP, nbs - first);
+    float v[GROUP][E];
     unsigned after = 0u;
     if (staged) {
       after = unstage_group(st, lane, dt, v);
-    } else if (!f32 && first + K <= whole) {     // 16-bit, a whole group: K loads from one address
+    } else if (!f32 && first + GROUP <= whole) {     // 16-bit, a whole group: GROUP loads from one address
       const uint4* q = reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(x) + base +
                                                       (long long)first * BLOCK + lane * E);
-      uint4 u[K];
-      UNROLL for (int k = 0; k < K; k++) u[k] = __ldg(q + k * (BLOCK / 8));
-      unpack_group<K>(u, dt, v);
+      uint4 u[GROUP];
+      UNROLL for (int k = 0; k < GROUP; k++) u[k] = __ldg(q + k * (BLOCK / 8));
+      unpack_group<GROUP>(u, dt, v);
     } else {
-      UNROLL for (int k = 0; k < K; k++) {
+      UNROLL for (int k = 0; k < GROUP; k++) {
         if (k < nk) load8(x, dt, n, base + (long long)(first + k) * BLOCK + lane * E, v[k]);
         else
           UNROLL for (int j = 0; j < E; j++) v[k][j] = 0.f;
@@ -598,12 +598,12 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
     }
     const bool more = first < nbs - step;
     const int next = first + (more ? step : 0);
-    staged = more && next + K <= whole;
+    staged = more && next + GROUP <= whole;
     if (staged) {
       if (f32) stage_group<true>(st, lane, after, x, base + (long long)next * BLOCK);
       else stage_group<false>(st, lane, after, x, base + (long long)next * BLOCK);
     }
-    encode_blocks<FMT, ROT, SCALE, K>(v, nk, lane, p, m, first, nbs, smem[warp]);
+    encode_blocks<FMT, ROT, SCALE, GROUP>(v, nk, lane, p, m, first, nbs, smem[warp]);
     if (!more) break;
     first = next;
     __syncwarp();                              // this group's shared-memory reads are done
@@ -613,31 +613,32 @@ __global__ void __launch_bounds__(32 * EW, ENC_CTAS) encode_kernel(const void* x
 template <int FMT, bool ROT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoParams p, void* out, int dt,
                                                             long long n) {
-  __shared__ __align__(16) float smem[WARPS][K][SMW];
+  __shared__ __align__(16) float smem[WARPS][GROUP][SMW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * WARPS * K;
+  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * WARPS * GROUP;
   const long long msg = blockIdx.y, rem = n - msg * p.L;   // rem: elements of out from this message's start
-  // blocks below `touched` hold elements < n (the others are not decoded); groups first + K <= whole
+  // blocks below `touched` hold elements < n (the others are not decoded); groups first + GROUP <= whole
   // lie inside out, and with a 16-byte aligned out so is every lane's first element
   const int touched = touched_blocks(rem, nbs);
   const int whole = (reinterpret_cast<uintptr_t>(out) & 15) ? 0 : whole_blocks(rem, nbs);
-  int first = (blockIdx.x * WARPS + warp) * K;
+  int first = (blockIdx.x * WARPS + warp) * GROUP;
   if (first >= touched) return;
-  int nk = min(K, touched - first);
+  int nk = min(GROUP, touched - first);
   const uint8_t* m = message(buf, msg, p.S);
-  Raw r[K];
+  Raw r[GROUP];
   load_group<FMT>(r, m, first, nk, nbs, lane, p);
   for (;;) {
     const bool more = first < touched - step;  // false unless the grid was capped (decode_ahead)
-    const int next = first + (more ? step : 0), nk_next = more ? min(K, touched - next) : 0;
-    Raw rn[K];
+    const int next = first + (more ? step : 0), nk_next = more ? min(GROUP, touched - next) : 0;
+    Raw rn[GROUP];
     if (decode_ahead<FMT>() && more) load_group<FMT>(rn, m, next, nk_next, nbs, lane, p);
-    float v[K][E];
-    decode_blocks<FMT, ROT, SCALE, K>(r, v, lane, p, smem[warp], dt == TACO_F32);
-    store_group<K>(out, dt, first + K <= whole, n, msg * p.L + (long long)first * BLOCK + lane * E, nk, lane, v);
+    float v[GROUP][E];
+    decode_blocks<FMT, ROT, SCALE, GROUP>(r, v, lane, p, smem[warp], dt == TACO_F32);
+    const long long i0 = msg * p.L + (long long)first * BLOCK + lane * E;   // this lane's first element
+    store_group<GROUP>(out, dt, first + GROUP <= whole, n, i0, nk, lane, v);
     if (!more) break;
     if (decode_ahead<FMT>()) {
-      UNROLL for (int k = 0; k < K; k++) r[k] = rn[k];
+      UNROLL for (int k = 0; k < GROUP; k++) r[k] = rn[k];
     } else {
       load_group<FMT>(r, m, next, nk_next, nbs, lane, p);
     }
@@ -649,39 +650,39 @@ __global__ void __launch_bounds__(32 * WARPS) decode_kernel(TacoMsgs buf, TacoPa
 
 // acc += r's blocks decoded up to the inverse rotation (v: room for them)
 template <int FMT, bool SCALE>
-__device__ __forceinline__ void add_decoded(const Raw (&r)[KR], float (&v)[KR][E], float (&acc)[KR][E], int lane,
-                                            const TacoParams& p) {
-  decode_blocks<FMT, false, SCALE, KR>(r, v, lane, p, nullptr, false);
-  UNROLL for (int k = 0; k < KR; k++)
+__device__ __forceinline__ void add_decoded(const Raw (&r)[RGROUP], float (&v)[RGROUP][E], float (&acc)[RGROUP][E],
+                                            int lane, const TacoParams& p) {
+  decode_blocks<FMT, false, SCALE, RGROUP>(r, v, lane, p, nullptr, false);
+  UNROLL for (int k = 0; k < RGROUP; k++)
     UNROLL for (int j = 0; j < E; j++) acc[k][j] = acc[k][j] + v[k][j];
 }
 
 // The sum is taken in the rotated domain (taco.Codec.reduce_encode): each message decoded up to, not
 // through, the inverse rotation, the sum encoded from the absmax scale on. So no Walsh-Hadamard
 // transform here, and one kernel per (format, block scale) serves rotated and unrotated codecs. Past
-// RED_CTAS_PER_SM CTAs per SM the grid is capped and each warp takes groups of KR blocks in turn, so
+// RED_CTAS_PER_SM CTAs per SM the grid is capped and each warp takes groups of RGROUP blocks in turn, so
 // that its setup is paid once for them.
 template <int FMT, bool SCALE>
 __global__ void __launch_bounds__(32 * WARPS) reduce_encode_kernel(TacoMsgs buf, int P, TacoParams p, uint8_t* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * WARPS * KR;
-  int first = (blockIdx.x * WARPS + warp) * KR;
+  const int nbs = (int)(p.L / BLOCK), step = gridDim.x * WARPS * RGROUP;
+  int first = (blockIdx.x * WARPS + warp) * RGROUP;
   if (first >= nbs) return;
-  float acc[KR][E], v[KR][E];
-  Raw r[KR];
+  float acc[RGROUP][E], v[RGROUP][E];
+  Raw r[RGROUP];
   for (; first < nbs; first += step) {
-    const int nk = min(KR, nbs - first);
-    Raw next[KR];
-    load_group<FMT, KR, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
+    const int nk = min(RGROUP, nbs - first);
+    Raw next[RGROUP];
+    load_group<FMT, RGROUP, false, false>(r, message(buf, 0, p.S), first, nk, nbs, lane, p);
     if (P > 1)                                // before the math
-      load_group<FMT, KR, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
-    decode_blocks<FMT, false, SCALE, KR>(r, acc, lane, p, nullptr, false);
+      load_group<FMT, RGROUP, false, false>(next, message(buf, 1, p.S), first, nk, nbs, lane, p);
+    decode_blocks<FMT, false, SCALE, RGROUP>(r, acc, lane, p, nullptr, false);
     for (int i = 1; i < P; i++) {             // fp32 sum in message order 0, 1, ..., P-1
-      UNROLL for (int k = 0; k < KR; k++) r[k] = next[k];
-      if (i + 1 < P) load_group<FMT, KR, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
+      UNROLL for (int k = 0; k < RGROUP; k++) r[k] = next[k];
+      if (i + 1 < P) load_group<FMT, RGROUP, false, false>(next, message(buf, i + 1, p.S), first, nk, nbs, lane, p);
       add_decoded<FMT, SCALE>(r, v, acc, lane, p);
     }
-    encode_blocks<FMT, false, SCALE, KR>(acc, nk, lane, p, out, first, nbs, nullptr);
+    encode_blocks<FMT, false, SCALE, RGROUP>(acc, nk, lane, p, out, first, nbs, nullptr);
   }
 }
 
@@ -728,10 +729,10 @@ bool taco_encode(const void* x, int xdt, long long n, int M, TacoParams p, uint8
   const bool empty = M == 0 || p.L == 0;
   if (empty || !k.encode) return empty;                             // nothing to do: done; no kernel: refused
   const bool f32 = xdt == TACO_F32;
-  const int staged = EW * K * 32 * (f32 ? 32 : 16);                 // bytes of dynamic shared memory
+  const int staged = EW * GROUP * 32 * (f32 ? 32 : 16);                 // bytes of dynamic shared memory
   if (!k.per_sm[f32] && !capturing(st)) k.per_sm[f32] = resident(k.encode, 32 * EW, staged);
   const int cap = 2 * (k.per_sm[f32] ? k.per_sm[f32] : ENC_CTAS);   // ~2 waves
-  k.encode<<<dim3(grid(p.L / BLOCK, K, true, cap, M, EW), M), 32 * EW, staged, st>>>(x, xdt, n, p, out);
+  k.encode<<<dim3(grid(p.L / BLOCK, GROUP, true, cap, M, EW), M), 32 * EW, staged, st>>>(x, xdt, n, p, out);
   return true;
 }
 
@@ -739,7 +740,7 @@ bool taco_decode(TacoMsgs buf, int M, TacoParams p, void* out, int odt, long lon
   const Kernels k = kernels(p);
   const bool empty = M == 0 || p.L == 0 || n == 0;
   if (empty || !k.decode) return empty;
-  k.decode<<<dim3(grid(p.L / BLOCK, K, k.decode_ahead, 8, M), M), 32 * WARPS, 0, st>>>(buf, p, out, odt, n);
+  k.decode<<<dim3(grid(p.L / BLOCK, GROUP, k.decode_ahead, 8, M), M), 32 * WARPS, 0, st>>>(buf, p, out, odt, n);
   return true;
 }
 
@@ -747,6 +748,6 @@ bool taco_reduce_encode(TacoMsgs buf, int P, TacoParams p, uint8_t* out, cudaStr
   const Kernels k = kernels(p);
   const bool empty = p.L / BLOCK == 0;
   if (empty || !k.reduce_encode) return empty;
-  k.reduce_encode<<<grid(p.L / BLOCK, KR, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, P, p, out);
+  k.reduce_encode<<<grid(p.L / BLOCK, RGROUP, true, RED_CTAS_PER_SM), 32 * WARPS, 0, st>>>(buf, P, p, out);
   return true;
 }

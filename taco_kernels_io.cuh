@@ -16,7 +16,7 @@ namespace {
 
 constexpr int BLOCK = 256;             // elements per codec block: the block size the kernels are built for
 constexpr int E = 8;                   // elements per lane (BLOCK / 32)
-constexpr int K = 4;                   // blocks per warp in encode / decode
+constexpr int GROUP = 4;               // blocks per warp in encode / decode (a group)
 constexpr int WARPS = 8;               // warps per CTA (decode, reduce-encode)
 constexpr unsigned FULL = 0xffffffffu; // every lane of a warp
 
@@ -78,7 +78,7 @@ __device__ __forceinline__ int f32_slot(int c) { return c ^ ((c >> 3) & 1); }
 template <bool F32>
 __device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after, const void* x, long long g0) {
   const unsigned dst = (unsigned)__cvta_generic_to_shared(st) + after;
-  UNROLL for (int k = 0; k < K; k++) {
+  UNROLL for (int k = 0; k < GROUP; k++) {
     UNROLL for (int r = 0; r < (F32 ? 2 : 1); r++) {
       const int c = lane + 32 * r;
       const long long e = g0 + k * BLOCK + (F32 ? 4 : 8) * c;                 // the chunk's first element
@@ -90,24 +90,24 @@ __device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after,
 }
 
 // the staged group's values, layout A; returns `after`
-__device__ __forceinline__ unsigned unstage_group(const uint4* st, int lane, int dt, float (&v)[K][E]) {
+__device__ __forceinline__ unsigned unstage_group(const uint4* st, int lane, int dt, float (&v)[GROUP][E]) {
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncwarp();                                  // fp32: the chunks other lanes copied
   unsigned after = 0u;
   if (dt == TACO_F32) {
-    UNROLL for (int k = 0; k < K; k++) {
+    UNROLL for (int k = 0; k < GROUP; k++) {
       const uint4 a = st[k * 64 + f32_slot(2 * lane)], b = st[k * 64 + f32_slot(2 * lane + 1)];
       const unsigned w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
       UNROLL for (int j = 0; j < E; j++) v[k][j] = __uint_as_float(w[j]);
       after |= a.x | b.x;
     }
   } else {
-    uint4 u[K];
-    UNROLL for (int k = 0; k < K; k++) {
+    uint4 u[GROUP];
+    UNROLL for (int k = 0; k < GROUP; k++) {
       u[k] = st[k * 32 + lane];
       after |= u[k].x;
     }
-    unpack_group<K>(u, dt, v);
+    unpack_group<GROUP>(u, dt, v);
   }
   return after & (unsigned)(dt >> 2);            // dt < 4: a zero the compiler cannot see
 }

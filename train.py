@@ -227,7 +227,7 @@ def mean_loss(r, split, it, n, train):
         return out, (None if loss is None else loss / n)
 
     actions = (
-        parallel.pipeline_schedule(cfg.schedule, n, grid.pp_rank, grid.pp) if train else [("F", i) for i in range(n)]
+        parallel.pipeline_schedule(cfg.schedule, n, grid.pp_rank, grid.pp) if train else [("fwd", i) for i in range(n)]
     )
     seq = cfg.block_size // grid.tp if cfg.sequence_parallel else cfg.block_size  # the activation between stages
     total = parallel.run_pipeline(

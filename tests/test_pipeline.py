@@ -33,12 +33,12 @@ TINY = [
 def test_1f1b_schedule(stages, M):
     for s in range(stages):
         acts = parallel.pipeline_schedule("1f1b", M, s, stages)
-        assert sorted(acts) == sorted([("F", i) for i in range(M)] + [("B", i) for i in range(M)])
-        assert [i for k, i in acts if k == "B"] == list(range(M))  # backwards in order
+        assert sorted(acts) == sorted([("fwd", i) for i in range(M)] + [("bwd", i) for i in range(M)])
+        assert [i for k, i in acts if k == "bwd"] == list(range(M))  # backwards in order
         in_flight = peak = 0
         for k, i in acts:
-            assert k == "F" or acts.index(("F", i)) < acts.index(("B", i))
-            in_flight += 1 if k == "F" else -1
+            assert k == "fwd" or acts.index(("fwd", i)) < acts.index(("bwd", i))
+            in_flight += 1 if k == "fwd" else -1
             peak = max(peak, in_flight)
         assert peak == min(stages - s, M)  # 1F1B's memory bound
 
