@@ -461,13 +461,60 @@ def check(cfg, world, local_world=None):
         raise ConfigError(f"out_dir={cfg.out_dir!r} is a file, not a folder: choose another --out_dir")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
-    for split in ("train", "val"):
-        path = os.path.join(data_dir(cfg), f"{split}.bin")
-        try:
-            check_tokens(path, cfg.block_size, mc.vocab_size, read_meta(data_dir(cfg))["dtype"])
-        except ValueError as e:
-            raise ConfigError(f"{e} (python data/prepare.py {cfg.dataset} writes it)") from None
+    cfg.tokenizer = model_tokenizer(cfg)  # resolved: the run records the one it read
+    try:
+        for split in ("train", "val"):
+            check_tokens(data_dir(cfg), split, cfg.block_size, mc.vocab_size)
+        check_data_tokenizer(cfg, read_meta(data_dir(cfg)))
+    except ValueError as e:
+        raise ConfigError(f"{e} ({prepare_hint(cfg)} writes it)") from None
     return dp
+
+
+def model_tokenizer(cfg):
+    """The tokenizer the model reads: --tokenizer, else the --init_from folder's own (tokenizer.json),
+    else the family's."""
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
+        return cfg.init_from
+    if not FAMILIES[cfg.family].tokenizer:
+        raise ConfigError(
+            f"the {cfg.family} family has no tokenizer here: --tokenizer=<a folder holding tokenizer.json>, or "
+            f"--init_from such a folder"
+        )
+    return FAMILIES[cfg.family].tokenizer
+
+
+def check_data_tokenizer(cfg, meta):
+    """The data's tokenizer (meta.json) must be the model's, else it trains on ids that mean other
+    words: refused naming both, unless --tokenizer names the data's on purpose."""
+    from data.tokenizer import identity
+
+    theirs = meta.get("tokenizer_id") or meta.get("tokenizer")
+    if theirs is None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"note: {data_dir(cfg)} has no meta.json: its ids are read as uint16 and their tokenizer is not checked"
+            )
+        return
+    if theirs != identity(cfg.tokenizer):
+        raise ConfigError(
+            f"{data_dir(cfg)} holds {meta.get('tokenizer')} tokens, but this {cfg.family} model reads "
+            f"{cfg.tokenizer}'s: prepare the data with --tokenizer={cfg.tokenizer} (data/prepare.py), or pass "
+            f"--tokenizer={meta.get('tokenizer')} to train this model on those ids on purpose"
+        )
+
+
+def prepare_hint(cfg):
+    """The data/prepare.py command that writes the dataset the settings name."""
+    corpus, _, _ = cfg.dataset.partition("_")
+    tok = "" if cfg.tokenizer == "gpt2" else f" --tokenizer={cfg.tokenizer}"
+    if cfg.dataset in ("small", "large"):
+        return f"python data/prepare.py {cfg.dataset}{tok}"
+    if corpus in ("small", "large"):
+        return f"python data/prepare.py {cfg.dataset} --corpus={corpus}{tok}"
+    return f"python data/prepare.py {cfg.dataset} --files <your text>{tok}"
 
 
 def check_memory(cfg, mc, ranks_here):

@@ -28,7 +28,7 @@ import parallel
 import runlog
 import taco
 import watchdog
-from data.loader import Batches, read_meta
+from data.loader import Batches
 from model import GPT
 
 
@@ -370,7 +370,7 @@ def train(r):
             r.grid,
             cfg.seed,
             r.autocast,
-            read_meta(config.data_dir(cfg))["tokenizer"],
+            cfg.tokenizer,
         )
 
 

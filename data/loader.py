@@ -1,6 +1,6 @@
 """
-Training batches from the token files that data/prepare.py writes (read through np.memmap): uint16
-ids, or the dtype meta.json beside them names (uint32 for Qwen2's vocabulary).
+Training batches from the token files that data/prepare.py writes (read through np.memmap): the dtype
+meta.json beside them names (uint16, or uint32 past 65,536 ids), uint16 where there is no meta.json.
 """
 
 import json
@@ -13,36 +13,65 @@ FULL_SCAN = 1 << 28  # files up to this many tokens get their largest id checked
 
 
 def read_meta(folder):
-    """A dataset's meta.json (tokenizer, dtype), defaulting to GPT-2's uint16 where there is none."""
+    """A dataset's meta.json ({} where there is none). A file that is not JSON is named."""
     path = os.path.join(folder, "meta.json")
-    meta = {}
-    if os.path.isfile(path):
+    if not os.path.isfile(path):
+        return {}
+    try:
         with open(path) as f:
             meta = json.load(f)
-    meta.setdefault("tokenizer", "gpt2")
-    meta["tokenizer"] = meta["tokenizer"].split()[0]  # older files: "gpt2 (tiktoken BPE ...)"
-    meta.setdefault("dtype", "uint16")
-    if meta["dtype"] not in ("uint16", "uint32"):
-        raise ValueError(f"{path}: dtype {meta['dtype']!r} (token files are uint16 or uint32)")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON ({e}): prepare the data again (data/prepare.py)") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not the record data/prepare.py writes: prepare the data again")
+    if isinstance(meta.get("tokenizer"), str):
+        meta["tokenizer"] = meta["tokenizer"].split(" (")[0]  # older files: "gpt2 (tiktoken BPE ...)"
     return meta
 
 
-def check_tokens(path, block_size, vocab_size, dtype="uint16"):
-    """Raise ValueError naming the file and the fix unless it holds whole tokens of dtype, more
-    than one block of them, all below vocab_size (the largest id: in full up to FULL_SCAN tokens,
-    else in 64 windows of 1M spread over the file). Returns the token count."""
+def token_dtype(folder):
+    """The dtype of a dataset's token files: meta.json's, else uint16 (nanoGPT's convention)."""
+    return read_meta(folder).get("dtype", "uint16")
+
+
+def check_tokens(folder, split, block_size, vocab_size):
+    """The token file <folder>/<split>.bin checked against its meta.json before it is read: a dtype
+    meta.json names (uint16 or uint32), a size that is its token count times the dtype's bytes (a file
+    read with the wrong width is refused naming both), more than one block of tokens, every id below
+    vocab_size (in full up to FULL_SCAN tokens, else 64 windows of 1M spread over the file). Without a
+    meta.json the file is read as uint16, which cannot hold the ids of a vocabulary past 65,536. Raises
+    ValueError naming the file and the fix; returns the token count."""
+    path = os.path.join(folder, f"{split}.bin")
     if not os.path.exists(path):
         raise ValueError(f"{path} is missing")
     if not os.path.isfile(path):
         raise ValueError(f"{path} is not a file of tokens (a folder?)")
+    meta = read_meta(folder)
+    dtype = meta.get("dtype", "uint16")
+    if dtype not in ("uint16", "uint32"):
+        raise ValueError(f"{os.path.join(folder, 'meta.json')}: dtype {dtype!r} (token files are uint16 or uint32)")
+    if not meta and vocab_size > 1 << 16:
+        raise ValueError(
+            f"{folder} has no meta.json, so its ids would be read as uint16, which cannot hold a vocabulary of "
+            f"{vocab_size}: prepare the data with data/prepare.py (it writes meta.json)"
+        )
     size, width = os.path.getsize(path), np.dtype(dtype).itemsize
+    count = (meta.get(split) or {}).get("tokens")
+    if count is not None and size != count * width:
+        other = "uint32" if dtype == "uint16" else "uint16"
+        fits = size == count * np.dtype(other).itemsize
+        raise ValueError(
+            f"{path} has {size} bytes, but meta.json says {count} tokens of {dtype} ({count * width} bytes)"
+            + (f": the file holds {other} ids; meta.json's dtype is wrong" if fits else ": the file was changed")
+            + "; prepare the data again"
+        )
     if size % width:
         raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} tokens")
     n = size // width
     if n < block_size + 2:
         raise ValueError(
             f"{path} holds {n} tokens, fewer than block_size + 2 = {block_size + 2}: "
-            f"use a smaller --block_size or more text"
+            f"use a smaller --block_size or more text (data/prepare.py --val_fraction or --val_files for val.bin)"
         )
     data = np.memmap(path, dtype=dtype, mode="r")
     if n <= FULL_SCAN:
@@ -65,7 +94,7 @@ class Batches:
     micro-steps sees exactly the same samples (what the parity tests compare)."""
 
     def __init__(self, folder, block_size, batch_size, seed, dp_rank, device, dp=1):
-        dtype = read_meta(folder)["dtype"]
+        dtype = token_dtype(folder)
         self.data = {s: np.memmap(os.path.join(folder, f"{s}.bin"), dtype=dtype, mode="r") for s in ("train", "val")}
         self.T, self.B, self.seed, self.dp_rank, self.dp, self.device = (
             block_size,

@@ -1,9 +1,11 @@
 """
 Build train.bin / val.bin (token ids, read with numpy.memmap) from real English prose: GPT-2's
-tokenizer by default (uint16), Qwen2's with --tokenizer=qwen2 (uint32; meta.json records both).
+tokenizer by default (uint16); --tokenizer=qwen2 | llama3 | a Hugging Face folder with tokenizer.json
+for the other families (uint32 past 65,536 ids; meta.json records the tokenizer and the dtype).
 
     python data/prepare.py small          # ~1 MB: 8 Shakespeare plays; val = Hamlet      -> data/small/
     python data/prepare.py small_qwen2 --corpus=small --tokenizer=qwen2    # the same text, Qwen2's ids
+    python data/prepare.py small_llama3 --corpus=small --tokenizer=llama3  # the same text, Llama 3's ids
     python data/prepare.py large          # ~27 MB: Gutenberg books, State of the Union
                                           #   addresses, Shakespeare and Milton          -> data/large/
     python data/prepare.py mine --files a.txt texts/ [--val_files c.txt] [--val_fraction 0.01]
@@ -29,7 +31,7 @@ import tarfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data.tokenizer import EOTS, get_encoding  # noqa: E402
+from data.tokenizer import NAMES, get_encoding, identity  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "_downloads")
@@ -179,7 +181,8 @@ def hf_corpus(name, config, split, text_field, val_split, val_fraction, num_proc
     else:
         parts = ds.train_test_split(test_size=val_fraction, seed=0, shuffle=True)  # held-out documents
         ds, val = parts["train"], parts["test"]
-    enc, eot = get_encoding(tokenizer), EOTS[tokenizer]
+    enc = get_encoding(tokenizer)
+    eot = enc.eot_token
     tok = lambda batch: {"ids": [t + [eot] for t in enc.encode_ordinary_batch(batch[text_field])]}
     out = []
     for d in (ds, val):
@@ -208,8 +211,10 @@ def write_ids(path, batches, total_docs=None, desc="", dtype=np.uint16):
 
 
 def doc_batches(docs, names, chars, tokenizer="gpt2", size=256):
-    """Tokenised documents, `size` at a time, each followed by <|endoftext|>; records names and chars."""
-    enc, eot, batch = get_encoding(tokenizer), EOTS[tokenizer], []
+    """Tokenised documents, `size` at a time, each followed by the end-of-document token; records names
+    and chars."""
+    enc, batch = get_encoding(tokenizer), []
+    eot = enc.eot_token
 
     def flush():
         ids = [t for toks in enc.encode_ordinary_batch([t for _, t in batch], num_threads=4) for t in toks + [eot]]
@@ -244,7 +249,13 @@ def write(name, train, val, out_root=HERE, tokenizer="gpt2"):
 def _write(name, train, val, out, tokenizer):
     n_vocab = get_encoding(tokenizer).n_vocab
     dtype = np.uint16 if n_vocab <= 1 << 16 else np.uint32
-    meta = {"tokenizer": tokenizer, "vocab_size": n_vocab, "dtype": np.dtype(dtype).name}
+    tok_name = tokenizer if tokenizer in NAMES else os.path.abspath(tokenizer)
+    meta = {
+        "tokenizer": tok_name,
+        "tokenizer_id": identity(tokenizer),
+        "vocab_size": n_vocab,
+        "dtype": np.dtype(dtype).name,
+    }
     for split, docs in (("train", train), ("val", val)):
         path = os.path.join(out, f"{split}.bin")
         if hasattr(docs, "column_names"):  # a tokenised Hugging Face dataset
@@ -286,8 +297,8 @@ def main(argv=None):
     ap.add_argument(
         "--tokenizer",
         default="gpt2",
-        choices=("gpt2", "qwen2"),
-        help="gpt2 (uint16 ids) or qwen2 (uint32 ids; the model needs --vocab_size=151936)",
+        help="gpt2 (uint16 ids), qwen2 (Qwen2, Qwen3) or llama3 (uint32 ids), or a Hugging Face folder holding "
+        "tokenizer.json (SmolLM2, Mistral, ...); the model's family must read the same",
     )
     ap.add_argument(
         "--corpus",
@@ -296,6 +307,10 @@ def main(argv=None):
         help="the built-in corpus to write under another name (e.g. small with --tokenizer=qwen2)",
     )
     a = ap.parse_args(argv)
+    try:
+        get_encoding(a.tokenizer)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"--tokenizer: {e}") from None
     if not 0 < a.val_fraction < 1:
         raise SystemExit("--val_fraction must be in (0, 1)")
     if a.files:

@@ -52,7 +52,7 @@ def test_qwen2_tokenizer_gives_qwen2_ids():
     assert enc.encode("cafe\u0301") == enc.encode("caf\u00e9")  # NFC, as Qwen2's tokenizer.json
     text = "O Romeo, Romeo! 你好，世界\n\n\tcode(x) = 42;"
     assert enc.decode(enc.encode(text)) == text
-    with pytest.raises(ValueError, match="tokenizer 'llama': choose one of gpt2, qwen2"):
+    with pytest.raises(ValueError, match="tokenizer .llama.: choose one of gpt2, qwen2, llama3, or a folder"):
         get_encoding("llama")
 
 

@@ -42,6 +42,9 @@ def _tp_suite(rank, world):
         "model": _model_tp_vs_single(rank, world),
         "qwen2": _model_tp_vs_single(rank, world, QWEN),
         "qwen2 sp": _model_tp_vs_single(rank, world, QWEN, sp=True),
+        "qwen3": _model_tp_vs_single(rank, world, QWEN3),
+        "qwen3 sp": _model_tp_vs_single(rank, world, QWEN3, sp=True),
+        "llama3": _model_tp_vs_single(rank, world, LLAMA3),
     }
 
 
@@ -171,6 +174,37 @@ QWEN = GPTConfig(
 )
 
 
+# Qwen3: an explicit head size (8, not 32/8), q/k-norm, grouped-query attention
+QWEN3 = GPTConfig(
+    block_size=16,
+    vocab_size=500,
+    n_layer=2,
+    n_head=8,
+    n_kv_head=4,
+    n_embd=32,
+    head_dim=8,
+    intermediate_size=40,
+    family="qwen3",
+    rope_theta=500.0,
+    norm_eps=1e-6,
+    tie_embeddings=False,
+)
+# Llama 3: rotary positions scaled (an original context of 8, below the 16 positions trained on)
+LLAMA3 = GPTConfig(
+    block_size=16,
+    vocab_size=500,
+    n_layer=2,
+    n_head=4,
+    n_kv_head=4,
+    n_embd=32,
+    family="llama",
+    rope_theta=500.0,
+    rope_scaling="llama3",
+    rope_factor=4.0,
+    rope_original_positions=8,
+)
+
+
 def _train_steps(model, steps=5, sp_grads=None):
     """A few AdamW steps on one fixed random batch; returns the losses and the first step's gradients
     (sequence parallelism: the replicated parameters' gradients summed over TP, as train.py does)."""
@@ -214,12 +248,13 @@ def _model_tp_vs_single(rank, world, cfg=CFG, sp=False):
     return init_equal, losses, ref_losses, grad_pairs
 
 
-@pytest.mark.parametrize("family", ["model", "qwen2", "qwen2 sp"])
+@pytest.mark.parametrize("family", ["model", "qwen2", "qwen2 sp", "qwen3", "qwen3 sp", "llama3"])
 def test_model_tp_matches_single_rank(tp, family):
     # Same initial parameters bit for bit (full init from the seed, then sliced). Losses and
     # gradients differ only by fp32 summation order (partial sums over TP ranks, split softmax):
     # relative 1e-5 on the loss and 1e-4 (rtol) / 1e-6 (atol) on gradients after one step.
-    # GPT-2, and Qwen2 without and with sequence parallelism.
+    # GPT-2; Qwen2 and Qwen3 (q/k-norm: replicated weights whose gradients are summed over TP)
+    # without and with sequence parallelism; Llama 3's scaled rotary positions.
     for init_equal, losses, ref_losses, grads in (r[family] for r in tp[1]):
         assert init_equal
         assert losses[0] == pytest.approx(ref_losses[0], rel=1e-6)

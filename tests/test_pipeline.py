@@ -304,6 +304,7 @@ def test_the_pipeline_applies_each_direction_its_own_codec():
 # --- the Qwen2 family under the layouts: grouped-query attention, SwiGLU, RMSNorm, rotary, untied head ---
 QWEN = TINY + [
     "--family=qwen2",
+    "--tokenizer=gpt2",  # the small dataset: GPT-2 ids, on purpose
     "--n_head=4",
     "--n_kv_head=2",
     "--intermediate_size=48",

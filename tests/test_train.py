@@ -104,7 +104,7 @@ def test_resume_is_bit_exact(tmp_path, zero):
     extra, nproc = {
         False: ([], 1),
         True: (["--zero1=True", "--dp_codec=hint8", "--zero_codec=hint4"], 2),
-        "qwen2": (["--family=qwen2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2),
+        "qwen2": (["--family=qwen2", "--tokenizer=gpt2", "--n_kv_head=1", "--tie_embeddings=False", "--pp=2"], 2),
     }[zero]
     common = TINY + extra + ["--max_iters=6", "--eval_interval=0", "--warmup_iters=2", "--lr_decay_iters=6"]
     run(common + [f"--out_dir={a}"], nproc=nproc)
