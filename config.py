@@ -59,6 +59,7 @@ class Settings:
     tie_embeddings: bool = True  # the LM head's weight is the token embedding's (untied: a weight of its own)
     block_size: int = 64  # context length T in tokens
     dropout: float = 0.0  # in [0, 1)
+    loss_chunk: int = 4096  # tokens per chunk of the fused LM head and loss (0: all at once)
     norm: str | None = None  # a part (None: the family's): layernorm | rmsnorm
     positions: str | None = None  # a part: learned | rotary
     mlp: str | None = None  # a part: gelu | swiglu
@@ -172,7 +173,7 @@ CHOICES = {
 AT_LEAST = {
     1: "vocab_size n_layer n_head n_embd block_size batch_size gradient_accumulation_steps max_iters log_interval "
     "tp pp taco_chunks timeout".split(),
-    0: "n_kv_head head_dim intermediate_size max_positions eval_interval eval_iters warmup_iters lr_decay_iters "
+    0: "n_kv_head head_dim intermediate_size max_positions loss_chunk eval_interval eval_iters warmup_iters lr_decay_iters "
     "sample_tokens profile_steps taco_min_bytes seed learning_rate min_lr weight_decay grad_clip peak_flops".split(),
     -1: ["ckpt_interval"],
 }
@@ -548,7 +549,7 @@ def take_init_from(cfg):
         mc = hf.model_config(folder)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--init_from={folder}: {e}") from None
-    keep = ("block_size", "dropout")
+    keep = ("block_size", "dropout", "loss_chunk")
     wrong = []
     for f in dataclasses.fields(GPTConfig):
         theirs, given = getattr(mc, f.name), f.name in getattr(cfg, "given", ()) and f.name not in keep

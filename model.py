@@ -79,6 +79,7 @@ class GPTConfig:
     rope_high_freq: float = 4.0  # llama3: wavelengths below original / high_freq are kept
     rope_original_positions: int = 8192  # llama3: the context the frequencies were made for
     tie_embeddings: bool = True  # the LM head's weight is the token embedding's
+    loss_chunk: int = 4096  # tokens per chunk of the fused LM head and loss (0: all at once)
     # the parts (Family): None takes the family's
     norm: str = None
     positions: str = None
@@ -212,42 +213,73 @@ class VocabParallelEmbedding(nn.Module):
         return parallel.g(self.lookup(idx, self.weight, self.start), self.comm)  # (B, T, C), SP: (B, T/tp, C)
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from logits split over the vocabulary (Megatron's vocab-parallel loss).
-    Three per-token all-reduces over TP (max, sum of exp, target logit) replace gathering the
-    (N, V) logits. They are tiny and exact, so they bypass the codecs. Columns >= n_real (vocabulary
-    padding) are excluded; targets == -1 are ignored. Works in place on one (N, V/tp) buffer."""
+class LMHead(ColumnParallelLinear):
+    """The LM head, a column-parallel linear over the (padded) vocabulary: rank r owns the logits of
+    columns [r*V/tp, (r+1)*V/tp). forward gives them (generation); loss fuses them with the
+    cross-entropy (training), so that they are never whole."""
+
+    def loss(self, x, targets, n_real, chunk):
+        """Mean cross-entropy of x (B, T, C) against targets (B, T) (-1: ignored) over the n_real real
+        columns, chunk tokens at a time (0: all at once)."""
+        x = parallel.f(autocast_input(x), None, None, self.comm)  # f alone: its all-reduce of grad_x backward
+        return FusedLinearCrossEntropy.apply(
+            x.flatten(0, -2), self.weight, targets.flatten(), self.comm, n_real, chunk, torch.is_grad_enabled()
+        )
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """The LM head and the mean cross-entropy in one, chunk by chunk of tokens, so that no (tokens, V)
+    tensor ever exists whole (the idea of Liger's and Apple's Cut Cross-Entropy), vocab-parallel
+    (Megatron's loss). For a chunk's logits z = h A^T on this rank's columns (vocabulary padding at -inf):
+
+        loss   = sum over valid tokens of (log sum_j exp z_j - z_target) / n_valid
+        dz     = (softmax(z) - onehot(target)) * valid / n_valid
+        grad_h = dz A   (a partial sum over TP ranks: f's all-reduce completes it)      grad_A = dz^T h
+
+    log sum exp over the whole vocabulary comes from three per-token all-reduces over TP, tiny and
+    exact (so no codec): the max m, then sum exp(z - m) and the target's logit (0 on the ranks that do
+    not own it). The loss is the last thing a step computes, so its gradients are made here, in
+    forward, while each chunk's logits exist (no second pass over the head); backward scales them by
+    the incoming gradient (1/micro-batches). grads=False (evaluation): the loss alone."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, n_real, group):  # logits: (N, V/tp) fp32, targets: (N,)
-        tp = dist.get_world_size(group) if group is not None else 1
-        n_real = max(0, min(n_real, logits.shape[-1]))
-        m = logits[:, :n_real].max(dim=-1).values if n_real else logits.new_full(logits.shape[:1], -torch.inf)
-        if tp > 1:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        local = targets - start
+    def forward(ctx, h, weight, targets, comm, n_real, chunk, grads):  # h: (N, C), weight: (V/tp, C), targets: (N,)
+        w, N = weight.to(h.dtype), h.shape[0]
+        n_real = max(0, min(n_real - comm.rank * w.shape[0], w.shape[0]))  # this rank's real columns
+        valid = targets >= 0
+        n_valid = valid.sum().clamp(min=1)
+        local = targets - comm.rank * w.shape[0]  # the target's column here
         mine = (local >= 0) & (local < n_real)
         local = local.masked_fill(~mine, 0)
-        p = logits - m[:, None]  # (N, V/tp), the one big buffer
-        zt = p.gather(1, local[:, None])[:, 0] * mine
-        p[:, n_real:] = -torch.inf
-        se = p.exp_().sum(dim=-1)
-        if tp > 1:
-            both = torch.stack((zt, se))
-            dist.all_reduce(both, group=group)
-            zt, se = both[0], both[1]
-        valid = targets >= 0
-        nvalid = valid.sum().clamp(min=1)
-        loss = ((se.log() - zt) * valid).sum() / nvalid
-        ctx.save_for_backward(p.div_(se[:, None]), local, mine & valid, valid, nvalid)  # p = softmax
-        return loss
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if grads else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        for a in range(0, N, chunk or N):
+            b = min(a + (chunk or N), N)
+            z = (h[a:b] @ w.t()).float()  # (n, V/tp): this chunk's logits
+            z[:, n_real:] = -torch.inf
+            m = z.max(dim=-1).values
+            if comm.size > 1:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=comm.group)
+            e = (z - m[:, None]).exp_()
+            stats = torch.stack((e.sum(dim=-1), torch.where(mine[a:b], z.gather(1, local[a:b, None])[:, 0], 0.0)))
+            if comm.size > 1:
+                dist.all_reduce(stats, group=comm.group)  # sum of exp over the vocabulary, target logit
+            total += ((m + stats[0].log() - stats[1]) * valid[a:b]).sum()
+            if grads:
+                dz = e.div_(stats[0][:, None])  # softmax, in the exp's buffer
+                dz.scatter_add_(1, local[a:b, None], -mine[a:b, None].float())
+                dz = dz.mul_((valid[a:b] / n_valid)[:, None]).to(h.dtype)
+                grad_h[a:b] = dz @ w  # (n, C): a partial sum over TP ranks
+                grad_w += (dz.t() @ h[a:b]).float()  # (V/tp, C)
+        if grads:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return total / n_valid
 
     @staticmethod
     def backward(ctx, grad):
-        p, local, hit, valid, nvalid = ctx.saved_tensors
-        g = p.mul_(valid[:, None])  # reuses the softmax buffer
-        g[torch.arange(g.shape[0], device=g.device), local] -= hit.to(g.dtype)
-        return g.mul_(grad / nvalid), None, None, None, None
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad.to(grad_h.dtype), grad_w * grad, None, None, None, None, None
 
 
 # -----------------------------------------------------------------------------
@@ -392,7 +424,7 @@ class GPT(nn.Module):
         self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
         if self.last:
             self.ln_f = norm(c)
-            self.lm_head = ColumnParallelLinear(c.n_embd, c.padded_vocab, self.comm, bias=False)
+            self.lm_head = LMHead(c.n_embd, c.padded_vocab, self.comm, bias=False)
             if c.tie_embeddings:
                 self.lm_head.weight = self.wte.weight  # tied: one parameter, sliced alike
         if seed is not None:  # None: weights to be loaded
@@ -432,11 +464,11 @@ class GPT(nn.Module):
                 m.weight.fill_(1.0)
 
     # --- forward ---
-    def forward(self, idx, targets=None, hidden=None):
+    def forward(self, idx, targets=None, hidden=None, all_positions=False):
         """idx: (B, T) token ids (first stage), hidden: (B, T, C) from the previous stage (others).
-        Returns (logits, loss) on the last stage: logits are this rank's vocabulary slice
-        (B, T, V_padded/tp), all positions with targets, the last position only without.
-        Other stages return (hidden state for the next stage, None)."""
+        Returns (logits, loss) on the last stage: with targets the loss alone (None, loss: the head
+        fused with it); without, this rank's vocabulary slice of the logits (B, 1, V_padded/tp) of the
+        last position (all_positions: of every one). Other stages return (hidden state, None)."""
         c, sp = self.config, self.comm.size if self.comm.sp else 1
         if self.first:
             B, T = idx.shape
@@ -454,16 +486,7 @@ class GPT(nn.Module):
             x = block(x, rope)
         if not self.last:
             return x, None
-        if targets is None:  # generation: the last position only
-            assert not self.comm.sp, "the last position alone: not with sequence parallelism"
-            return self.lm_head(self.ln_f(x)[:, -1:, :]), None  # (B, 1, V/tp)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V/tp)
-        if self.comm.size == 1:  # the whole vocabulary here: PyTorch's loss, fused by torch.compile (unlike a slice)
-            pad = torch.arange(logits.shape[-1], device=x.device) >= c.vocab_size
-            real = logits.float().masked_fill(pad, -torch.inf)
-            return logits, F.cross_entropy(real.flatten(0, 1), targets.flatten(), ignore_index=-1)  # padding: -inf
-        start = self.comm.rank * logits.shape[-1]  # this rank's first column
-        loss = VocabParallelCrossEntropy.apply(
-            logits.float().view(-1, logits.shape[-1]), targets.view(-1), start, c.vocab_size - start, self.comm.group
-        )  # padding excluded
-        return logits, loss
+        if targets is not None:
+            return None, self.lm_head.loss(self.ln_f(x), targets, c.vocab_size, c.loss_chunk)
+        assert not self.comm.sp, "logits without a loss: not with sequence parallelism"
+        return self.lm_head(self.ln_f(x if all_positions else x[:, -1:, :])), None  # (B, T or 1, V/tp)

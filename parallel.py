@@ -196,8 +196,11 @@ class TPComm:
 
 
 def f(x, weight, bias, comm):
-    """f, then the column-parallel matmul it precedes: x A^T + b on this rank's output slice."""
-    return F.linear(x, weight, bias) if comm.size == 1 else _F.apply(x, weight, bias, comm)
+    """f, then the column-parallel matmul it precedes: x A^T + b on this rank's output slice (weight
+    None: f alone, for a layer that does its own matmul, the fused LM head and loss)."""
+    if comm.size == 1:
+        return x if weight is None else F.linear(x, weight, bias)
+    return _F.apply(x, weight, bias, comm) if weight is not None else _FAlone.apply(x, comm)
 
 
 def g(x, comm):
@@ -238,6 +241,22 @@ class _F(torch.autograd.Function):
         else:
             gx = comm.reduce_scatter_seq(gx, "bwd")  # (B, T, C) -> (B, T/tp, C)
         return gx, gw, gb, None
+
+
+class _FAlone(torch.autograd.Function):
+    """f without a matmul after it: identity forward (sequence parallelism: all-gather), the sum of the
+    partial input gradients over TP backward (sequence parallelism: reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather_seq(x, "fwd") if comm.sp else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, gx):
+        if ctx.comm.sp:
+            return ctx.comm.reduce_scatter_seq(gx.contiguous(), "bwd"), None
+        return ctx.comm.all_reduce(gx.contiguous(), "bwd"), None
 
 
 class _G(torch.autograd.Function):

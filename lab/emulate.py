@@ -29,7 +29,7 @@ import config
 import taco
 import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
-from model import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, autocast_input
+from model import ColumnParallelLinear, LMHead, RowParallelLinear, VocabParallelEmbedding, autocast_input
 
 
 def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, codec_block=256):
@@ -121,6 +121,16 @@ class EmulatedColumn(nn.Module):
         return _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
 
 
+class EmulatedHead(EmulatedColumn):
+    """Stands in for the LM head: its logits as t vocabulary shards form them (EmulatedColumn: the input
+    gradient from t partial products, combined like f's all-reduce), then the loss over the real columns."""
+
+    def loss(self, x, targets, n_real, chunk):
+        logits = self(x).float()
+        pad = torch.arange(logits.shape[-1], device=logits.device) >= n_real
+        return F.cross_entropy(logits.masked_fill(pad, -torch.inf).flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
 class EmulatedRow(nn.Module):
     """Stands in for a RowParallelLinear: t partial sums, as t ranks would compute them, then g."""
 
@@ -190,6 +200,7 @@ def emulate_tp(model, t, comm, sites=None):
     if comm.size != 1 or comm.sp:
         raise config.ConfigError("TP emulation runs on a TP=1 model without sequence parallelism")
     swap = {
+        LMHead: EmulatedHead,
         ColumnParallelLinear: EmulatedColumn,
         RowParallelLinear: EmulatedRow,
         VocabParallelEmbedding: EmulatedEmbedding,

@@ -50,7 +50,7 @@ def test_folder_gives_hf_logits_and_greedy_tokens(name):
     rotary settings; logits within 1e-5 of transformers', the same 8 greedy tokens."""
     ex, model = expected(name), sample.load(folder(name))
     with torch.no_grad():
-        logits, _ = model(ex["idx"], ex["idx"])
+        logits, _ = model(ex["idx"], all_positions=True)
     assert rel_err(logits, ex["logits"]) <= 1e-5
     got = generate(model, ex["greedy"][:, :5], 8, top_k=1, generator=torch.Generator().manual_seed(0))
     assert torch.equal(got, ex["greedy"])

@@ -61,7 +61,7 @@ def test_hf_state_dict_gives_hf_logits():
     model = from_hf_state_dict(fx["state_dict"], GPTConfig(**fx["config"])).eval()
     idx, ref = fx["idx"], fx["logits"]
     with torch.no_grad():
-        logits, _ = model(idx, idx)
+        logits, _ = model(idx, all_positions=True)
     # our head is padded to a multiple of 128 columns; the first 300 must be Hugging Face's logits
     torch.testing.assert_close(logits[..., :300], ref, rtol=1e-4, atol=1e-5)
 
@@ -94,7 +94,7 @@ def test_qwen2_folder_gives_hf_logits_and_greedy_tokens(name):
     assert model.config.family == "qwen2" and model.config.tie_embeddings == (name == "tied")
     assert model.config.rope_theta == 1000.0 and model.config.norm_eps == 1e-6
     with torch.no_grad():
-        logits, _ = model(ex["idx"], ex["idx"])
+        logits, _ = model(ex["idx"], all_positions=True)
     ref = ex["logits"]
     assert ((logits[..., :300] - ref).abs().max() / ref.abs().max()).item() <= 1e-5
     prompt = ex["greedy"][:, :5]

@@ -8,10 +8,11 @@ import torch.nn.functional as F
 
 import config
 import data_parallel
+import model
 import parallel
 import taco
 from launcher import run_ranks
-from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear, VocabParallelCrossEntropy
+from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
 
 def comm_for(rank, world, **kw):
@@ -38,7 +39,7 @@ def _tp_suite(rank, world):
     return {
         "ops": _ops(rank, world),
         "linears": _linears(rank, world),
-        "xent": _xent(rank, world),
+        "fused": _fused(rank, world),
         "model": _model_tp_vs_single(rank, world),
         "qwen2": _model_tp_vs_single(rank, world, QWEN),
         "qwen2 sp": _model_tp_vs_single(rank, world, QWEN, sp=True),
@@ -108,44 +109,67 @@ def test_column_row_parallel_match_nn_linear(tp):
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
-# --- vocab-parallel cross-entropy vs F.cross_entropy ---------------------------------------------
+# --- the fused, vocab-parallel LM head and cross-entropy vs the logits and F.cross_entropy -----------
 
 
-def _xent(rank, world):
-    torch.manual_seed(1)
-    full = torch.randn(10, 16) * 3
-    targets = torch.randint(0, 14, (10,))
+def _fused(rank, world):
+    """LMHead.loss at TP=world on its slice of a (16 padded, 14 real)-column head, in chunks of 3, all
+    at once and more than all: the loss, grad_h (complete: f's all-reduce), this rank's grad_A, and the
+    same from the logits whole through F.cross_entropy."""
+    g = torch.Generator().manual_seed(1)
+    h, weight = torch.randn(10, 8, generator=g), torch.randn(16, 8, generator=g)
+    targets = torch.randint(0, 14, (10,), generator=g)
     targets[3] = -1  # ignored position
-    local = full.chunk(world, dim=1)[rank].clone().requires_grad_()
-    loss = VocabParallelCrossEntropy.apply(
-        local, targets, rank * 16 // world, 14 - rank * 16 // world, dist.group.WORLD
-    )
-    loss.backward()
-    ref_in = full.clone().requires_grad_()
-    ref = F.cross_entropy(ref_in[:, :14], targets, ignore_index=-1)  # columns 14, 15 are padding
+    ref_h, ref_w = h.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy((ref_h @ ref_w.t())[:, :14], targets, ignore_index=-1)  # columns 14, 15: padding
     ref.backward()
-    return loss.detach(), ref.detach(), local.grad, ref_in.grad.chunk(world, dim=1)[rank]
+    out = {}
+    for chunk in (3, 0, 100):
+        head = model.LMHead(8, 16, comm_for(rank, world), bias=False)
+        with torch.no_grad():
+            head.weight.copy_(head.shard(weight))
+        x = h.clone().view(2, 5, 8).requires_grad_()
+        loss = head.loss(x, targets.view(2, 5), 14, chunk)
+        loss.backward()
+        out[chunk] = (
+            loss.detach(),
+            ref.detach(),
+            x.grad.view(10, 8),
+            ref_h.grad,
+            head.weight.grad,
+            head.shard(ref_w.grad),
+        )
+    return out
 
 
-def test_vocab_parallel_cross_entropy(tp):
-    for loss, ref, grad, ref_grad in (r["xent"] for r in tp[1]):
-        torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
+def test_fused_head_and_loss_equal_the_logits_and_cross_entropy(tp):
+    for per_chunk in (r["fused"] for r in tp[1]):
+        for chunk, (loss, ref, gh, ref_gh, gw, ref_gw) in per_chunk.items():
+            torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6, msg=f"loss, chunk {chunk}")
+            torch.testing.assert_close(gh, ref_gh, rtol=1e-5, atol=1e-7, msg=f"grad_h, chunk {chunk}")
+            torch.testing.assert_close(gw, ref_gw, rtol=1e-5, atol=1e-7, msg=f"grad_A, chunk {chunk}")
 
 
-def test_tp1_loss_leaves_out_the_vocabulary_padding():
-    """At TP=1 the model's loss is PyTorch's over the real columns only (padding at -inf): the
-    same loss as over a slice, and no gradient into the padding rows of the (tied) embedding."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=8, vocab_size=200, n_layer=1, n_head=2, n_embd=16))  # padded to 256
-    idx, targets = torch.randint(0, 200, (2, 8)), torch.randint(0, 200, (2, 8))
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_models_fused_loss_equals_its_logits_through_cross_entropy(tied):
+    """The whole model at TP=1, tied and untied: the fused loss (chunks of 5 tokens of 16) and every
+    parameter's gradient equal the logits' (all positions) through F.cross_entropy over the real
+    columns; the vocabulary padding (200 real of 256) gets no gradient."""
+    cfg = GPTConfig(block_size=8, vocab_size=200, n_layer=1, n_head=2, n_embd=16, tie_embeddings=tied, loss_chunk=5)
+    fused, whole = GPT(cfg, seed=0), GPT(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, 200, (2, 8), generator=g), torch.randint(0, 200, (2, 8), generator=g)
     targets[0, 3] = -1  # ignored position
-    logits, loss = model(idx, targets)
+    loss = fused(idx, targets)[1]
+    logits = whole(idx, all_positions=True)[0]
     ref = F.cross_entropy(logits[..., :200].flatten(0, 1), targets.flatten(), ignore_index=-1)
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
     loss.backward()
-    assert logits.shape[-1] == 256 and model.wte.weight.grad[200:].abs().max() == 0
-    assert model.wte.weight.grad[:200].abs().max() > 0
+    ref.backward()
+    for (n, p), q in zip(fused.named_parameters(), whole.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+    head = fused.lm_head.weight.grad
+    assert logits.shape[-1] == 256 and head[200:].abs().max() == 0 and head[:200].abs().max() > 0
 
 
 # --- the whole model: TP=N vs TP=1 -----------------------------------------------------------------
