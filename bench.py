@@ -50,6 +50,8 @@ def main(argv):
     f.add_argument("--steps", type=int, default=20)
     f.add_argument("--batch", type=int, default=0, help="sequences per step (0: the config's batch_size)")
     f.add_argument("--tag", default="hf", help="results/hf_<tag>.json")
+    f.add_argument("--no_liger", action="store_true", help="leave out the transformers + Liger rows")
+    f.add_argument("--fit", type=float, default=0.0, help="GiB: the largest batch under it, from the peaks at 1x, 2x")
     pe = sub.add_parser("peer", help="GPU: train.py at TP=1 vs nanoGPT's bench loop, same shapes, one invocation")
     pe.add_argument("--nanogpt", required=True, help="a nanoGPT folder holding bench_peer.py, or the folder above it")
     pe.add_argument("--shapes", default=",".join(PEER_SHAPES), help="of " + ", ".join(PEER_SHAPES))
@@ -88,7 +90,7 @@ def main(argv):
     elif a.what == "hf":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py hf needs a CUDA GPU (and transformers)")
-        bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag)
+        bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag, liger=not a.no_liger, fit=a.fit)
     else:
         bench_e2e(a.config, a.entries.split(","), a.nproc, train_args, a.tag)
 

@@ -16,7 +16,7 @@ from benchmarks.common import ROOT, save, table
 
 
 def _hf_model(mc, dev):
-    """transformers' model of our config's family and shape (Qwen2ForCausalLM / GPT2LMHeadModel), SDPA."""
+    """transformers' model of our config's family and shape (its class from hf.py's layout), SDPA."""
     import transformers
 
     import hf
@@ -26,39 +26,130 @@ def _hf_model(mc, dev):
     return transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa").to(dev)
 
 
-def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
+def _trainer(model, loss_of, compile=True, opt=None):
+    """One training step of the loop every row shares: bf16 autocast over fp32 weights, (compiled)
+    forward and backward, clipping at 1.0, fused AdamW (opt: an AdamW already made for the model)."""
+    run = torch.compile(model) if compile else model
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_of(run)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step.opt = opt
+    return step
+
+
+def _batch(mc, B, T, dev):
+    x = torch.randint(0, mc.vocab_size, (B, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def _timed(step, steps):
+    """(ms per step, the loss, the peak GiB since the last reset) of `steps` steps."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps * 1e3, loss.item(), torch.cuda.max_memory_allocated() / 2**30
+
+
+def _peak_at(step, warmup):
+    """The peak GiB of a few steps of a trainer (compiled for this shape on its first step)."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def liger_rows(config, batch, steps, warmup, compile, fit):
+    """transformers with Liger Kernel's patches (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) of our
+    config's family, in this process alone (the patch replaces transformers' classes for the process):
+    its row, or why there is none. fit (GiB): also its peak at twice the batch."""
+    import config as settings
+
+    cfg = settings.parse([config] + ([f"--batch_size={batch}"] if batch else []))
+    mc, dev, label = (
+        cfg.model_config(),
+        torch.device("cuda"),
+        "transformers + Liger" + (" (compiled)" if compile else ""),
+    )
+    try:
+        import liger_kernel.transformers as liger
+
+        getattr(liger, f"apply_liger_kernel_to_{hf_family(mc)}")()
+    except (ImportError, AttributeError) as e:
+        return [{"model": label, "note": f"not run: {type(e).__name__}: {e}"}]
+    try:
+        model = _hf_model(mc, dev)
+        B, T = cfg.batch_size, cfg.block_size
+        x, _ = _batch(mc, B, T, dev)
+        step = _trainer(model, lambda m: m(input_ids=x, labels=x).loss, compile)
+        for _ in range(warmup):
+            step()
+        rows = []
+        for _ in range(2):
+            torch.cuda.reset_peak_memory_stats()
+            ms, loss, peak = _timed(step, steps)
+            rows.append({"model": label, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
+                         "peak GiB": round(peak, 2), "loss": round(loss, 4)})  # fmt: skip
+        if fit:
+            x2, _ = _batch(mc, 2 * B, T, dev)
+            step2 = _trainer(model, lambda m: m(input_ids=x2, labels=x2).loss, compile, step.opt)
+            rows[0]["peak GiB at 2x batch"] = round(_peak_at(step2, 2), 2)
+        return rows
+    except Exception as e:  # a crash is a result too: say what failed
+        return [{"model": label, "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}]
+
+
+def hf_family(mc):
+    """Liger's name of the family: the Hugging Face model_type (hf.py)."""
+    import hf
+
+    return hf.MODEL_TYPE[mc.family]
+
+
+def _liger_in_a_process(config, batch, steps, warmup, compile, fit):
+    cmd = [sys.executable, "-m", "benchmarks.models", "liger", config, str(batch), str(steps), str(warmup),
+           str(int(compile)), str(fit)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(ln[4:]) for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+    tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+    return rows or [{"model": "transformers + Liger", "note": f"process failed (rc {p.returncode}): {tail[0][:200]}"}]
+
+
+def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0):
     """Our model, built from `config`'s settings at TP=1, against transformers' model of the same family
     and shape, on one GPU in one invocation, with the same loop: fp32 weights under bf16 autocast,
     torch.compile, fused AdamW, gradient clipping at 1.0, the same random batch. Both stay resident;
     each is timed twice in the order ours, theirs, theirs, ours, so the noise shows. Peak memory is a
-    block's peak less the other model's resident weights and optimizer state."""
+    block's peak less the other model's resident weights and optimizer state. Then transformers with
+    Liger Kernel's patches, eager and compiled, each in a process of its own (timed twice there), where
+    liger-kernel is importable. fit (GiB, e.g. 80: an H100): every trainer's peak also at twice the
+    batch, and the largest batch whose peak the two points put under fit GiB (a straight line)."""
     import config as settings
     from model import GPT
 
     cfg = settings.parse([config] + ([f"--batch_size={batch}"] if batch else []))
     mc, dev = cfg.model_config(), torch.device("cuda")
     B, T = cfg.batch_size, cfg.block_size
-    x = torch.randint(0, mc.vocab_size, (B, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
-    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-    ours = GPT(mc, seed=0).to(dev)
-    theirs = _hf_model(mc, dev)
+    x, y = _batch(mc, B, T, dev)
     losses = {
         "ours": lambda m: m(x, y)[1],  # next-token loss on T positions
         "transformers": lambda m: m(input_ids=x, labels=x).loss,
     }  # HF shifts: T - 1 positions
-    runs = {}
-    for name, model in (("ours", ours), ("transformers", theirs)):
-        compiled, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-        def step(compiled=compiled, opt=opt, model=model, loss_of=losses[name]):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_of(compiled)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
+    models, runs = {"ours": GPT(mc, seed=0).to(dev), "transformers": _hf_model(mc, dev)}, {}
+    for name, model in models.items():
+        step = _trainer(model, losses[name])
         for _ in range(warmup):  # compiles, and fills AdamW's state
             step()
         torch.cuda.synchronize()
@@ -71,27 +162,39 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
     rows = []
     for name in ("ours", "transformers", "transformers", "ours"):
         other = sum(r["resident"] for n, r in runs.items() if n != name)
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            loss = runs[name]["step"]()
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / steps * 1e3
+        ms, loss, peak = _timed(runs[name]["step"], steps)
         rows.append(
             {
                 "model": name,
                 "ms/step": round(ms, 2),
                 "tok/s": round(B * T / ms * 1e3),
                 "MFU %": round(flops / (ms / 1e3) / cfg.peak_flops * 100, 1),
-                "peak GiB": round((torch.cuda.max_memory_allocated() - other) / 2**30, 2),
+                "peak GiB": round(peak - other / 2**30, 2),
                 "params": runs[name]["params"],
-                "loss": round(loss.item(), 4),
+                "loss": round(loss, 4),
             }
         )
+    if fit:  # the same trainers at twice the batch (compiled again for the shape)
+        x2, y2 = _batch(mc, 2 * B, T, dev)
+        twice = {"ours": lambda m: m(x2, y2)[1], "transformers": lambda m: m(input_ids=x2, labels=x2).loss}
+        for name, model in models.items():
+            other = sum(r["resident"] for n, r in runs.items() if n != name)
+            peak2 = _peak_at(_trainer(model, twice[name], opt=runs[name]["step"].opt), 2) - other / 2**30
+            next(r for r in rows if r["model"] == name)["peak GiB at 2x batch"] = round(peak2, 2)
+    del models, runs
+    torch.cuda.empty_cache()
+    if liger and mc.family != "gpt2":
+        for compile in (False, True):
+            rows += _liger_in_a_process(config, B, steps, warmup, compile, fit)
     mean = lambda n: sum(r["ms/step"] for r in rows if r["model"] == n) / 2
     for r in rows:
-        r["vs transformers"] = f"{mean('transformers') / r['ms/step']:.3f}x"
+        if "ms/step" in r:
+            r["vs transformers"] = f"{mean('transformers') / r['ms/step']:.3f}x"
+            r.setdefault("MFU %", round(flops / (r["ms/step"] / 1e3) / cfg.peak_flops * 100, 1))
+        if fit and "peak GiB at 2x batch" in r:  # peak = fixed + per sequence * batch
+            per = (r["peak GiB at 2x batch"] - r["peak GiB"]) / B
+            r[f"batch in {fit:g} GiB"] = int((fit - (r["peak GiB"] - per * B)) // per) if per > 0 else "-"
     save(
         f"hf_{tag}",
         rows,
@@ -100,12 +203,16 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf"):
         seq=T,
         steps=steps,
         warmup=warmup,
-        note="the same loop for both (bf16 autocast over fp32 weights, torch.compile, fused AdamW, clipping); "
-        "MFU from our model's 6N + attention FLOPs per token against peak_flops; peak GiB: the block's "
-        "peak less the other model's resident memory; vs transformers: the mean of transformers' two "
-        "blocks over this block's ms",
+        loss_chunk=mc.loss_chunk,
+        note="the same loop for every row (bf16 autocast over fp32 weights, fused AdamW, clipping; compiled "
+        "unless said); ours and transformers in this process, timed ours, theirs, theirs, ours; each Liger row "
+        "in a process of its own, timed twice there; MFU from our model's 6N + attention FLOPs per token "
+        "against peak_flops; peak GiB: the block's peak less the other model's resident memory; vs "
+        "transformers: the mean of transformers' two blocks over this block's ms; batch in N GiB: the "
+        "straight line through the peaks at the batch and at twice it",
     )
-    table(rows, ["model", "ms/step", "vs transformers", "tok/s", "MFU %", "peak GiB", "params", "loss"])
+    cols = ["model", "ms/step", "vs transformers", "tok/s", "MFU %", "peak GiB", "loss"]
+    table(rows, cols + ([f"batch in {fit:g} GiB"] if fit else []) + ["note"])
 
 
 # -----------------------------------------------------------------------------
@@ -254,3 +361,9 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
         "mirrored; vs X = the mean of X's two runs over this run's ms/step",
     )
     table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "vs nanoGPT + clip", "tok/s", "MFU %", "peak GiB"])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["liger"]:  # bench_hf's Liger rows, each in a process of its own
+    config, batch, steps, warmup, compile, fit = sys.argv[2:8]
+    for row in liger_rows(config, int(batch), int(steps), int(warmup), bool(int(compile)), float(fit)):
+        print("ROW " + json.dumps(row), flush=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import config
 import lab.emulate
 import parallel
 import taco
@@ -134,7 +135,7 @@ def _graph_or_eager_steps(graph, steps=6):
     comm = parallel.TPComm(fwd_codec="hint8", bwd_codec="hint8")
     model = emulate_tp(GPT(cfg, comm, seed=3).cuda(), 4, comm)
     if graph:
-        capture(model, {"gradient_accumulation_steps": 1, "dtype": "auto", "batch_size": 8, "block_size": 64})
+        capture(model, config.Settings(batch_size=8, block_size=64))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     gen, losses, first = torch.Generator().manual_seed(7), [], None
     for _ in range(steps):
