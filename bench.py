@@ -90,7 +90,7 @@ def main(argv):
     elif a.what == "hf":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py hf needs a CUDA GPU (and transformers)")
-        bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag, liger=not a.no_liger, fit=a.fit)
+        bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag, liger=not a.no_liger, fit=a.fit, extra=train_args)
     else:
         bench_e2e(a.config, a.entries.split(","), a.nproc, train_args, a.tag)
 

@@ -127,7 +127,7 @@ def _liger_in_a_process(config, batch, steps, warmup, compile, fit):
     return rows or [{"model": "transformers + Liger", "note": f"process failed (rc {p.returncode}): {tail[0][:200]}"}]
 
 
-def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0):
+def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0, extra=()):
     """Our model, built from `config`'s settings at TP=1, against transformers' model of the same family
     and shape, on one GPU in one invocation, with the same loop: fp32 weights under bf16 autocast,
     torch.compile, fused AdamW, gradient clipping at 1.0, the same random batch. Both stay resident;
@@ -199,6 +199,7 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0)
         f"hf_{tag}",
         rows,
         config=config,
+        extra=list(extra),
         batch=B,
         seq=T,
         steps=steps,
