@@ -11,6 +11,8 @@ A checkpoint of any (tp, pp) layout is merged into one model on one process (che
 
 import argparse
 import os
+import re
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -128,6 +130,58 @@ def tokenizer_of(path, mc, run):
         return FAMILIES[mc.family].tokenizer
 
 
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "pytorch_model.bin.index.json", "generation_config.json")  # fmt: skip
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def export(model, tokenizer, dest, overwrite, source):
+    """model as a Hugging Face folder dest (its weights, config.json and, where the model's vocabulary
+    holds it, its tokenizer's files). The folder is written beside dest (dest.partial) and renamed into
+    place whole: a folder that held another model is replaced only with overwrite, and its other files
+    (a README, say) are kept while every model and tokenizer file of the old model goes (a stale shard
+    index would make loaders read the old weights). OS errors in one line."""
+    from data.tokenizer import get_encoding, save_hf
+
+    dest = os.path.abspath(dest)
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise SystemExit(f"{dest} is a file: export writes a folder (model.safetensors, config.json); choose another")
+    old = os.listdir(dest) if os.path.isdir(dest) else []
+    if old and not overwrite:
+        raise SystemExit(f"{dest} is not empty ({', '.join(sorted(old)[:4])}...): --overwrite replaces the model there "
+                         f"(its weights, index, config and tokenizer files; other files stay), or choose an empty folder")  # fmt: skip
+    if old and not os.access(dest, os.W_OK):
+        raise SystemExit(f"{dest}: cannot export: permission denied (a read-only folder): choose another")
+    covered = bool(tokenizer) and model.config.vocab_size >= get_encoding(tokenizer).n_vocab
+    partial = dest + ".partial"
+    try:
+        with checkpoint.os_errors(dest, "export"):
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+            hf.save(model, partial)
+            if covered:  # AutoTokenizer.from_pretrained(dest) reads these
+                save_hf(tokenizer, partial, model.config.max_positions)
+            stale = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)$")
+            for f in old:  # the old folder's other files come along
+                if f not in MODEL_FILES + TOKENIZER_FILES and not stale.match(f):
+                    shutil.move(os.path.join(dest, f), os.path.join(partial, f))
+            if old:
+                os.rename(dest, dest + ".old")
+            os.rename(partial, dest)
+            shutil.rmtree(dest + ".old", ignore_errors=True)
+    except ValueError as e:  # a model the family's class cannot hold
+        shutil.rmtree(partial, ignore_errors=True)
+        raise SystemExit(f"{source}: {e}") from None
+    print(
+        f"wrote {dest}/model.safetensors and config.json ({model.config.family})"
+        + (
+            f", and {tokenizer}'s tokenizer files"
+            if covered
+            else f"; no tokenizer: a vocabulary of {model.config.vocab_size} is no tokenizer's here"
+        )
+    )
+
+
 def cli(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -143,36 +197,14 @@ def cli(argv=None):
     e = sub.add_parser("export", help="write a model as a Hugging Face folder")
     e.add_argument("path", help="anything generate reads: an out_dir, a checkpoint set, a Hugging Face folder")
     e.add_argument("dest", help="folder for model.safetensors and config.json (from_pretrained reads it)")
+    e.add_argument("--overwrite", action="store_true", help="replace the model in a folder that holds one")
     a = ap.parse_args(argv)
     try:
         model, name = load_with_tokenizer(a.path, a.device if a.cmd == "generate" else "cpu")
     except (ValueError, config.ConfigError) as e:  # a folder that is not what it should be
         raise SystemExit(f"{a.path}: {e}") from None
     if a.cmd == "export":
-        if os.path.exists(a.dest) and not os.path.isdir(a.dest):
-            raise SystemExit(
-                f"{a.dest} is a file: export writes a folder (model.safetensors, config.json); "
-                f"choose another destination"
-            )
-        from data.tokenizer import get_encoding, save_hf
-
-        covered = bool(name) and model.config.vocab_size >= get_encoding(name).n_vocab
-        try:
-            with checkpoint.os_errors(a.dest, "export"):
-                os.makedirs(a.dest, exist_ok=True)
-                hf.save(model, a.dest)
-                if covered:  # AutoTokenizer.from_pretrained(dest) reads these
-                    save_hf(name, a.dest, model.config.max_positions)
-        except ValueError as e:
-            raise SystemExit(f"{a.path}: {e}") from None
-        print(
-            f"wrote {a.dest}/model.safetensors and config.json ({model.config.family})"
-            + (
-                f", and {name}'s tokenizer (vocab.json, merges.txt, tokenizer_config.json)"
-                if covered
-                else f"; no tokenizer: a vocabulary of {model.config.vocab_size} is no tokenizer's here"
-            )
-        )
+        export(model, name, a.dest, a.overwrite, a.path)
         return
     if a.temperature <= 0 or a.tokens < 0 or a.top_k < 0:
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")

@@ -29,7 +29,14 @@ import config
 import taco
 import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
-from model import ColumnParallelLinear, LMHead, RowParallelLinear, VocabParallelEmbedding, autocast_input
+from model import (
+    ColumnParallelLinear,
+    FusedLinearCrossEntropy,
+    LMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    autocast_input,
+)
 
 
 def emulated_all_reduce(partials, codec=taco.DEFAULT_CODEC, codec_block=256):
@@ -121,11 +128,35 @@ class EmulatedColumn(nn.Module):
         return _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
 
 
+class _EmulatedGrad(torch.autograd.Function):
+    """Identity forward; backward, the input gradient through the emulated all-reduce of one rank
+    (what the site's codec makes of it), as EmulatedColumn treats its gradient at t = 1."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        codec = ctx.comm.codec_for(g, "bwd")
+        return emulated_all_reduce([g], codec=codec, codec_block=ctx.comm.codec_block).to(g.dtype), None
+
+
 class EmulatedHead(EmulatedColumn):
-    """Stands in for the LM head: its logits as t vocabulary shards form them (EmulatedColumn: the input
-    gradient from t partial products, combined like f's all-reduce), then the loss over the real columns."""
+    """Stands in for the LM head. At t = 1, the book's own fused loss (so a t = 1 emulation is the
+    book's TP=1 run bit for bit); at t > 1, its logits as t vocabulary shards form them (EmulatedColumn:
+    the input gradient from t partial products, combined like f's all-reduce), then the loss over the
+    real columns: the same loss, rounded as one fp32 cross-entropy rather than t ranks' chunks."""
 
     def loss(self, x, targets, n_real, chunk):
+        if self.t == 1:
+            x = _EmulatedGrad.apply(autocast_input(x), self.comm)
+            book = getattr(self.comm, "comm", self.comm)  # a SiteComm's TPComm (size 1: no all-reduce)
+            return FusedLinearCrossEntropy.apply(
+                x.flatten(0, -2), self.weight, targets.flatten(), book, n_real, chunk, torch.is_grad_enabled()
+            )
         logits = self(x).float()
         pad = torch.arange(logits.shape[-1], device=logits.device) >= n_real
         return F.cross_entropy(logits.masked_fill(pad, -torch.inf).flatten(0, 1), targets.flatten(), ignore_index=-1)

@@ -297,6 +297,8 @@ def test_prepare_with_qwen2_tokenizer_writes_uint32_that_training_reads(tmp_path
     assert val.max() > 65535 and get_encoding("qwen2").decode(val.tolist()).startswith("Document 2: 你好")
     x, y = Batches(str(tmp_path / "q"), 8, 2, 0, 0, "cpu").get("val", 0)
     assert torch.equal(x[:, 1:], y[:, :-1]) and int(x.max()) < 151646
+    windows = {tuple(val[i : i + 8].tolist()) for i in range(len(val) - 8)}  # a uint16 misread makes none of these
+    assert all(tuple(row) in windows for row in x.tolist()), x
     c = config.parse(
         [f"--data_dir={tmp_path}", "--dataset=q", "--block_size=8", "--family=qwen2", "--vocab_size=151936"],
     )

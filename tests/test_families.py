@@ -5,10 +5,12 @@ loads to the same logits, the tokenizers, and the folders refused naming why
 
 import json
 import os
+import re
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import checkpoint
 import config
@@ -29,6 +31,7 @@ MIXED = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\n  1234567 + 89 = ?\tnaïve café Ünïcödé "
     "\u4e2d\u6587 \U0001f600 e\u0301 it's don't aaaaaaaaaaaaaaaaaaaaaaaa ......      x\n\n\n   "
 )
+IDX = torch.tensor([[1, 5, 9, 2, 7]])
 
 
 def folder(name):
@@ -213,3 +216,53 @@ def test_family_configs_are_real_shapes_that_pass_the_launch_checks(path, world,
     cfg = config.parse([path, *layout, "--device=cpu", "--dataset=small", "--tokenizer=gpt2", "--vocab_size=50257"])
     config.check(cfg, world)
     assert config.parse([path]).model_config().num_params(False) / 1e6 == pytest.approx(params, abs=0.05)
+
+
+def test_export_replaces_a_model_folder_only_when_told_and_wholly(tmp_path, monkeypatch):
+    """Export into a folder that holds another model: refused without --overwrite; with it, the old
+    shard index and shards go (loaders prefer an index, so a stale one would load the old weights), the
+    folder's other files stay, and the folder loads to the exported model's logits. A read-only folder
+    and a destination that is a file are refused in one line."""
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    old = hf.Weights(folder("llama_untied"))  # another model, stored as two shards and an index
+    names = sorted(old.where)
+    half = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in half.items():
+        save_file({k: old(k).contiguous() for k in keys}, str(dest / shard))
+    index = {"metadata": {}, "weight_map": {k: s for s, keys in half.items() for k in keys}}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(os.path.join(folder("llama_untied"), "config.json"), dest / "config.json")
+    (dest / "README.md").write_text("my notes")
+    src = folder("qwen2_tied")
+    with pytest.raises(SystemExit, match="is not empty .* --overwrite replaces the model there"):
+        sample.cli(["export", src, str(dest)])
+    with torch.no_grad():  # untouched
+        assert torch.equal(
+            full_logits(sample.load(str(dest)), IDX), full_logits(sample.load(folder("llama_untied")), IDX)
+        )
+    sample.cli(["export", src, str(dest), "--overwrite"])
+    assert sorted(os.listdir(dest)) == ["README.md", "config.json", "model.safetensors"]
+    assert (dest / "README.md").read_text() == "my notes" and not os.path.exists(str(dest) + ".partial")
+    with torch.no_grad():
+        assert torch.equal(full_logits(sample.load(str(dest)), IDX), full_logits(sample.load(src), IDX))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a user without write permission sees it
+    with pytest.raises(SystemExit, match="cannot export: permission denied"):
+        sample.cli(["export", src, str(dest), "--overwrite"])
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        (dict(num_key_value_heads=3), "n_head=4 is not a multiple of n_kv_head=3"),
+        (dict(head_dim=7), "the head size head_dim = 7 must be even"),
+    ],
+)
+def test_generate_refuses_a_folder_whose_heads_cannot_be_built(tmp_path, change, said):
+    """sample.py reads a folder through the checks training makes (config.check_model): one line."""
+    src = tmp_path / "hf"
+    shutil.copytree(folder("qwen3"), src)
+    c = json.load(open(src / "config.json"))
+    json.dump(dict(c, **change), open(src / "config.json", "w"))
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        sample.cli(["generate", str(src), "--tokens=2"])

@@ -4,6 +4,7 @@ file, a second run into the same out_dir, a run killed between checkpoints (docs
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -437,3 +438,56 @@ def test_init_from_weights_of_the_wrong_shape_end_without_a_traceback(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode != 0 and "Traceback" not in out, out[-2000:]
     assert f"--init_from={src}: h.0.mlp.fc.weight: the weights hold shape (96, 32)" in out, out[-2000:]
+
+
+EXIT_SCRIPT = """
+import sys
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+import taco
+dist.init_process_group("gloo")
+torch.manual_seed(dist.get_rank())
+for n in (1000, 5000, 70000):
+    taco.all_reduce(torch.randn(n), codec="taco")
+print("OK", flush=True)
+"""  # no destroy_process_group: a user's script ends like this
+
+
+@pytest.mark.parametrize("runs", [pytest.param(6), pytest.param(30, marks=pytest.mark.slow)])
+def test_a_script_of_compressed_all_reduces_exits_cleanly_every_time(tmp_path, runs):
+    """Three ranks under torchrun that end without destroying the process group: every run exits 0 on
+    every rank. Without taco's exit barrier a rank aborted at exit ("terminate called without an active
+    exception", SIGABRT) in about one run in four."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT.format(root=ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script)]
+    for i in range(runs):
+        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120)
+        assert p.returncode == 0 and p.stdout.count("OK") == 3, f"run {i + 1}: rc {p.returncode}\n{p.stderr[-3000:]}"
+        assert "terminate called" not in p.stderr, f"run {i + 1}:\n{p.stderr[-3000:]}"
+
+
+def _qwen_run(out_dir, **given):
+    given = dict(dict(family="qwen2", n_layer=1, n_head=2, n_embd=32, block_size=32), **given)
+    cfg = config.Settings(out_dir=str(out_dir), **given)
+    r = _run(out_dir)
+    r.cfg, r.model = cfg, GPT(cfg.model_config(), seed=0)
+    r.opt = torch.optim.AdamW(r.model.parameters())
+    return r
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        (dict(rope_theta=500000.0), "rope_theta (saved 10000.0, given 500000.0)"),
+        (dict(norm_eps=0.5), "norm_eps (saved 1e-05, given 0.5)"),
+        (dict(family="llama"), "family (saved 'qwen2', given 'llama')"),
+    ],
+)
+def test_resume_refuses_a_setting_that_changes_the_model(tmp_path, given, said):
+    """A resume whose settings change what the model computes (rotary base, norm eps, family, shape) is
+    refused naming the saved and the given value; loss_chunk (how, not what) may change."""
+    checkpoint.save(_qwen_run(tmp_path), 2)
+    checkpoint.resume(_qwen_run(tmp_path, resume=True, max_iters=10, loss_chunk=16))  # changeable
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        checkpoint.resume(_qwen_run(tmp_path, resume=True, max_iters=10, **given))

@@ -172,6 +172,8 @@ def test_resume_is_bit_exact(tmp_path, zero):
             "n_head=6 is not divisible by tp=4",
         ),
         (["--family=qwen2", "--n_head=8", "--n_embd=120"], "the head size n_embd/n_head = 15 must be even"),
+        (["--family=qwen2", "--tp=2", "--intermediate_size=47"], "intermediate_size=47 is not divisible by tp=2"),
+        (["--tp=2", "--pp=2", "--intermediate_size=47"], "intermediate_size=47 is not divisible by tp=2"),
         (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
         (
             ["--block_size=50000"],
@@ -191,7 +193,13 @@ def test_bad_config_is_refused_before_launch(args, message):
     """train.py's own checks, in this process (what train.main runs before anything starts)."""
     import config
 
-    world = 4 if "--tp=4" in args else 2 if "--pp=2" in args or {"--tp=2", "--family=qwen2"} <= set(args) else 1
+    world = (
+        4
+        if "--tp=4" in args or {"--tp=2", "--pp=2"} <= set(args)
+        else 2
+        if "--pp=2" in args or {"--tp=2", "--family=qwen2"} <= set(args)
+        else 1
+    )
     with pytest.raises(config.ConfigError) as e:
         config.check(config.parse(args), world)
     assert message in str(e.value)
