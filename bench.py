@@ -14,8 +14,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
 import argparse
 import sys
 
-import torch
-
+import taco_ext
 from benchmarks.comm import bench_collective, bench_e2e
 from benchmarks.common import split_at_dashes
 from benchmarks.kernels import OVERLAP_SHAPES, bench_host, bench_kernels, bench_overlap
@@ -59,9 +58,9 @@ def main(argv):
     pe.add_argument("--tag", default="peer", help="results/<tag>.json; after a lone --: train.py overrides")
     pe.add_argument("--clip", action="store_true", help="also nanoGPT with its train.py's clipping (as ours clips)")
     a = ap.parse_args(argv)
+    if a.what in ("peer", "kernels", "overlap", "host", "collective", "hf"):
+        taco_ext.require_gpu(f"bench.py {a.what}", build=a.what in ("kernels", "overlap", "host", "collective"))
     if a.what == "peer":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench.py peer needs a CUDA GPU (both codebases time a GPU step)")
         bench_peer(
             a.nanogpt,
             tuple(a.shapes.split(",")),
@@ -78,18 +77,12 @@ def main(argv):
             codecs=tuple(a.codecs.split(",")),
         )
     elif a.what == "overlap":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench.py overlap needs a CUDA GPU")
         bench_overlap(tuple(a.codecs.split(",")), tuple(a.shapes.split(",")))
     elif a.what == "host":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench.py host needs a CUDA GPU")
         bench_host(tag=a.tag)
     elif a.what == "collective":
         bench_collective(tag=a.tag)
     elif a.what == "hf":
-        if not torch.cuda.is_available():
-            raise SystemExit("bench.py hf needs a CUDA GPU (and transformers)")
         bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag, liger=not a.no_liger, fit=a.fit, extra=train_args)
     else:
         bench_e2e(a.config, a.entries.split(","), a.nproc, train_args, a.tag)

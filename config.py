@@ -26,6 +26,7 @@ import checkpoint
 import hf
 import parallel
 import taco
+import taco_ext
 from data.loader import check_tokens, read_meta
 from model import FAMILIES, PARTS, ROPE_SCALINGS, GPTConfig
 
@@ -424,6 +425,8 @@ def check_layout(tp, pp, world, dp=None, mc=None, schedule="1f1b"):
 
 def check(cfg, world, local_world=None):
     """Everything that can be refused before launch: values, layout, devices, data files."""
+    if cfg.device == "cuda" and taco_ext.gpu_missing(build=False):  # the GPU route's one check, before any CUDA call
+        raise ConfigError(f"device='cuda': {taco_ext.gpu_missing(build=False)}; or use --device=cpu")
     if cfg.init_from:
         take_init_from(cfg)
     check_values(cfg)
@@ -460,8 +463,6 @@ def check(cfg, world, local_world=None):
         raise ConfigError("tp_transport='symm' needs GPUs (symmetric memory): use auto or dist")
     if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
         raise ConfigError(f"out_dir={cfg.out_dir!r} is a file, not a folder: choose another --out_dir")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device='cuda' but no GPU is visible; use --device=cpu")
     cfg.tokenizer = model_tokenizer(cfg)  # resolved: the run records the one it read
     try:
         for split in ("train", "val"):

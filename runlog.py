@@ -109,7 +109,7 @@ def banner(r):
 def step_line(r, it, mean, lr, dt, tokens, flops):
     """The rank-0 line of a log step, and its log.jsonl record."""
     mfu = 100 * flops / (dt * r.grid.world * r.cfg.peak_flops) if r.use_cuda else None
-    line = f"step {it + 1:6d} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
+    line = f"step {it + 1:6d}/{r.cfg.max_iters} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
     if mfu is not None:
         line += f" | mfu {mfu:5.1f}%"
     for name, s, on in (
@@ -126,10 +126,18 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         mem = mem.item()
         line += f" | mem {mem:5.1f} GiB"
+    eta = (r.cfg.max_iters - it - 1) * dt  # at this line's pace, evaluations and saves not counted
+    line += f" | eta {duration(eta)}"
     record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu, peak_mem_gib=mem)
     for name, s in (("tp", r.comm.stats), ("dp", r.dp_stats), ("pp", r.pp_stats)):
         record.update({f"{name}_wire_bytes": s.wire_bytes, f"{name}_ratio": s.ratio})
     return line, record
+
+
+def duration(seconds):
+    """1h02m, 3m05s, 42s: a time to read in a log line."""
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def write_trace(r, prof, steps, seconds):

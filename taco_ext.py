@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import subprocess
+import sys
 
 import torch.distributed as dist
 
@@ -59,6 +60,9 @@ def load(verbose=False):
     global _EXT
     if _EXT is not None:
         return _EXT
+    why = gpu_missing()
+    if why:
+        raise RuntimeError(f"taco_ext: cannot build the CUDA kernels: {why}")
     from torch.utils.cpp_extension import load as jit_load
 
     # TACO_NVCC_FLAGS: extra nvcc flags for kernel work, e.g. "-lineinfo" (ncu source view);
@@ -92,19 +96,53 @@ def load(verbose=False):
     return _EXT
 
 
-def _split_compile():
-    """nvcc >= 12.1 optimises the kernels on all CPU threads with --split-compile=0 (a kernel edit
-    rebuilds in about half the time; the code is the same)."""
+def _nvcc_version():
+    """(major, minor) of the nvcc the build would run (CUDA_HOME's, as torch's JIT finds it), or None."""
     from torch.utils.cpp_extension import CUDA_HOME
 
     try:
         out = subprocess.run(
             [os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc"), "--version"], capture_output=True, text=True
         ).stdout
-        major, minor = map(int, re.search(r"release (\d+)\.(\d+)", out).groups())
+        return tuple(map(int, re.search(r"release (\d+)\.(\d+)", out).groups()))
     except (OSError, AttributeError):
-        return []
-    return ["--split-compile=0"] if (major, minor) >= (12, 1) else []
+        return None
+
+
+def gpu_missing(build=True):
+    """What a GPU route lacks here, in one line with the fix, before any build or CUDA call (None:
+    nothing). build: the kernels will be compiled, so an nvcc of torch's CUDA major version is needed."""
+    import torch
+
+    if torch.version.cuda is None:
+        return (
+            f"this torch ({torch.__version__}) is a CPU build: install a CUDA build of torch "
+            f"(pip install torch --index-url https://download.pytorch.org/whl/cu130, or your CUDA's)"
+        )
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible (torch.cuda.is_available() is False): run on a GPU machine, check CUDA_VISIBLE_DEVICES"
+    nvcc, want = _nvcc_version(), int(torch.version.cuda.split(".")[0])
+    if build and nvcc is None:
+        return f"no nvcc found (CUDA_HOME, /usr/local/cuda): install the CUDA {want} toolkit and set CUDA_HOME to it"
+    if build and nvcc[0] != want:
+        return f"nvcc is CUDA {nvcc[0]}.{nvcc[1]}, torch is built for CUDA {torch.version.cuda}: set CUDA_HOME to a CUDA {want} toolkit"
+    return None
+
+
+def require_gpu(what, build=True):
+    """Exit 2 with one line when `what` (a GPU route: a benchmark, the kernel tests, --device=cuda)
+    cannot run on this machine."""
+    why = gpu_missing(build)
+    if why:
+        print(f"{what} needs a CUDA GPU with its toolkit: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _split_compile():
+    """nvcc >= 12.1 optimises the kernels on all CPU threads with --split-compile=0 (a kernel edit
+    rebuilds in about half the time; the code is the same)."""
+    v = _nvcc_version()
+    return ["--split-compile=0"] if v and v >= (12, 1) else []
 
 
 @functools.lru_cache(maxsize=1024)

@@ -324,7 +324,7 @@ def train(r):
         loss_sum, nsum = loss_sum + loss.detach().double(), nsum + 1
         out.step()
         last = it + 1 == cfg.max_iters
-        logging = (it + 1) % cfg.log_interval == 0 or it == 0
+        logging = (it + 1) % cfg.log_interval == 0 or it == 0 or last
         evaluating = cfg.eval_interval and ((it + 1) % cfg.eval_interval == 0 or last)
         saving = cfg.ckpt_interval >= 0 and (
             last or ((it + 1) % cfg.ckpt_interval == 0 if cfg.ckpt_interval else evaluating)
@@ -354,6 +354,7 @@ def train(r):
             t0 = time.time()
         if saving:
             checkpoint.save(r, it + 1)
+            out.line(f"saved checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'iter_{it + 1:08d}')}")
         if stopping:
             out.line(f"stopped at step {it + 1}" + ("; continue with --resume" if saving else ""))
             raise SystemExit(128 + stopping)
@@ -372,6 +373,10 @@ def train(r):
             r.autocast,
             cfg.tokenizer,
         )
+    if grid.rank == 0:
+        saved = f"checkpoints in {os.path.join(cfg.out_dir, 'ckpt')}, " if cfg.ckpt_interval >= 0 else ""
+        where = f"{saved}the log in {os.path.join(cfg.out_dir, 'log.jsonl')}"
+        print(f"done: {where}; its curves: python -m lab.analysis curves {cfg.out_dir}", flush=True)
 
 
 if __name__ == "__main__":

@@ -520,7 +520,8 @@ def _readme_demo():
 
 
 def _numbers(lines):
-    return [re.sub(r"\|\s+[\d.]+ ms\s+\|\s+\d+ tok/s", "", ln) for ln in lines]
+    timings = r"\|\s+[\d.]+ ms\s+\|\s+\d+ tok/s|\| eta \S+$"
+    return [re.sub(timings, "", re.sub(r"^(step\s+\d+)/\d+", r"\1", ln)) for ln in lines]  # and the run's length
 
 
 @pytest.mark.parametrize("steps", [10, pytest.param(200, marks=pytest.mark.slow)])
@@ -534,7 +535,8 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
     expect = [
         ln
         for ln in shown.splitlines()
-        if ln.startswith(("grid:", "model:", "step")) and (not ln.startswith("step") or int(ln.split()[1]) <= steps)
+        if ln.startswith(("grid:", "model:", "step"))
+        and (not ln.startswith("step") or int(ln.split()[1].split("/")[0]) <= steps)
     ]
     assert len(expect) >= (3 if steps == 10 else 5)
     for line in _numbers(expect):
@@ -551,3 +553,45 @@ def test_the_kernel_loop_imports_no_more_than_it_needs():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.split() == ["False", "True"], r.stdout + r.stderr
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="what a CPU build of torch answers")
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["bench.py", "kernels"],
+        ["bench.py", "overlap"],
+        ["bench.py", "host"],
+        ["bench.py", "hf", "configs/qwen2_5_0_5b.py"],
+        ["-m", "tests.test_kernels", "strided"],
+        ["-m", "tests.test_kernels", "--watch", "strided"],
+    ],
+)
+def test_every_gpu_route_says_what_is_missing_in_one_line(cmd):
+    """On a CPU machine every GPU route ends before any build or CUDA call: exit 2, one line naming the
+    CPU build of torch and the fix (taco_ext.require_gpu), never a traceback or a wait."""
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    said = [ln for ln in p.stderr.splitlines() if "needs a CUDA GPU" in ln]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(said) == 1 and "is a CPU build: install a CUDA build of torch" in said[0], p.stderr[-2000:]
+
+
+def test_the_gpu_check_names_each_missing_piece(monkeypatch):
+    """taco_ext.gpu_missing, each answer: a CPU build, no visible GPU, no nvcc, an nvcc of another CUDA
+    major version; --device=cuda is refused before launch through it."""
+    import taco_ext
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "is a CPU build" in taco_ext.gpu_missing()
+    with pytest.raises(config.ConfigError, match="device='cuda': this torch .* is a CPU build.*or use --device=cpu"):
+        config.check(config.parse(["--device=cuda"]), 1)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA GPU is visible" in taco_ext.gpu_missing()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(taco_ext, "_nvcc_version", lambda: None)
+    assert "no nvcc found" in taco_ext.gpu_missing() and taco_ext.gpu_missing(build=False) is None
+    monkeypatch.setattr(taco_ext, "_nvcc_version", lambda: (12, 8))
+    assert "nvcc is CUDA 12.8, torch is built for CUDA 13.0" in taco_ext.gpu_missing()
+    monkeypatch.setattr(taco_ext, "_nvcc_version", lambda: (13, 0))
+    assert taco_ext.gpu_missing() is None

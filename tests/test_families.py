@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import checkpoint
 import config
@@ -21,7 +21,9 @@ from data.tokenizer import FolderTokenizer, get_encoding, save_hf
 from launcher import run_ranks
 from model import GPT
 from sample import full_logits, generate
+from test_cli import _tiny_vocab_data
 from test_parallel import comm_for
+from test_train import run as run_train
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 NAMES = ("llama_tied", "llama_untied", "qwen3", "mistral", "smollm2")
@@ -266,3 +268,47 @@ def test_generate_refuses_a_folder_whose_heads_cannot_be_built(tmp_path, change,
     json.dump(dict(c, **change), open(src / "config.json", "w"))
     with pytest.raises(SystemExit, match=re.escape(said)):
         sample.cli(["generate", str(src), "--tokens=2"])
+
+
+def _integer_weights(d):
+    w = load_file(os.path.join(d, "model.safetensors"))
+    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"].to(torch.int32)
+    save_file(w, os.path.join(d, "model.safetensors"))
+
+
+def _cut(keep):
+    def cut(d):
+        p = os.path.join(d, "model.safetensors")
+        data = open(p, "rb").read()
+        open(p, "wb").write(data[: keep(len(data))])
+
+    return cut
+
+
+def _fewer_layers(d):
+    c = json.load(open(os.path.join(d, "config.json")))
+    json.dump(dict(c, num_hidden_layers=1), open(os.path.join(d, "config.json"), "w"))
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (_integer_weights, "model.embed_tokens.weight is stored as torch.int32: quantized weights are not read here"),
+        (_cut(lambda n: n - 100), "model.safetensors is not a readable safetensors file"),  # short data
+        (_cut(lambda n: 2), "model.safetensors is not a readable safetensors file"),  # short header
+        (_fewer_layers, "config.json says 1 layers, the weights hold 2"),
+    ],
+)
+def test_damaged_weights_are_refused_in_one_line_on_both_routes(tmp_path, damage, message):
+    """Integer weights, a truncated safetensors file, a config.json with fewer layers than the weights:
+    sample.py and --init_from each end in one line naming the file, never a traceback or a half load."""
+    d = tmp_path / "hf"
+    shutil.copytree(folder("llama_tied"), d)
+    damage(str(d))
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        sample.cli(["generate", str(d), "--tokens=1"])
+    _tiny_vocab_data(str(tmp_path / "tiny"), 300)  # no meta.json: any tokenizer's ids
+    train_args = [f"--init_from={d}", "--dataset=tiny", f"--data_dir={tmp_path}", "--block_size=32", "--batch_size=2"]
+    p = run_train(train_args + ["--max_iters=1", "--device=cpu", f"--out_dir={tmp_path / 'out'}"], check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and "Traceback" not in out and message in out, out[-2000:]
