@@ -310,7 +310,12 @@ def resume(r):
         raise SystemExit(f"--resume: no complete checkpoint set under {cfg.out_dir}/ckpt ({hint})")
     meta = read_complete(found[-1])
     own = _read(os.path.join(cfg.out_dir, "RUN"))
-    if own and meta["run_id"] != own and not cfg.resume_from:
+    if not own and not cfg.resume_from:  # every save writes RUN: sets without it were put here from elsewhere
+        raise SystemExit(
+            f"--resume: {cfg.out_dir} has no RUN file (written with every set), so {found[-1]} (run "
+            f"{meta['run_id']}) is not known to be its own: take it on purpose with --resume_from={found[-1]}"
+        )
+    if meta["run_id"] != own and not cfg.resume_from:
         raise SystemExit(
             f"--resume: the newest set {found[-1]} is of run {meta['run_id']}, not of {cfg.out_dir}'s "
             f"own run {own} (its RUN): take it on purpose with --resume_from={found[-1]}, or remove it"

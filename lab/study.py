@@ -319,6 +319,7 @@ def fork_study(labels, starts, steps, t=8, config="configs/study_long.py", extra
                     *extra,
                     f"--out_dir={out}",
                     "--resume",
+                    f"--resume_from={os.path.join(out, 'ckpt', f'iter_{s:08d}')}",  # the base run's set, on purpose
                 ]
             )
             ev = [r for r in map(json.loads, open(os.path.join(out, "log.jsonl"))) if "val_loss" in r][-1]

@@ -283,7 +283,8 @@ def test_a_second_run_into_the_same_out_dir_is_refused(tmp_path):
 
 def test_a_resume_takes_only_the_out_dirs_own_run(tmp_path):
     """A whole set of another run copied in as the newest: refused, naming its run and --resume_from;
-    with --resume_from it is taken on purpose and the run goes on as that run. And a resume with
+    with --resume_from it is taken on purpose and the run goes on as that run; sets in an out_dir without
+    its RUN file likewise need --resume_from. And a resume with
     nothing left to train (max_iters at or below the set's iteration) says so and stops."""
     mine, other = tmp_path / "mine", tmp_path / "other"
     checkpoint.save(_run(mine), 4)
@@ -300,6 +301,10 @@ def test_a_resume_takes_only_the_out_dirs_own_run(tmp_path):
     r.cfg.resume_from = str(foreign)
     assert checkpoint.resume(r) == str(foreign) and (r.it0, r.run_id) == (6, "b")
     shutil.rmtree(foreign)
+    copied = tmp_path / "copied"  # a whole out_dir's sets without its RUN: not known to be this run's
+    shutil.copytree(other / "ckpt", copied / "ckpt")
+    with pytest.raises(SystemExit, match="has no RUN file .* take it on purpose with --resume_from="):
+        checkpoint.resume(_run(copied))
     r = _run(mine)
     r.cfg.max_iters = 4
     with pytest.raises(SystemExit, match="is at iteration 4, and max_iters=4: nothing left to train"):
@@ -335,6 +340,8 @@ def _agreement(rank, world, folder, iters):
         checkpoint.mark_complete(
             ckpt, {"iter": 4, "tp": world, "pp": 1, "dp": 1, "zero1": False, "run_id": "a", "files": dict(every)}
         )
+        with open(os.path.join(folder, "RUN"), "w") as f:  # the out_dir's own run, as a save writes it
+            f.write("a")
     torch.distributed.barrier()
     try:
         return checkpoint.resume(r) and f"resumed at {r.it0}"
