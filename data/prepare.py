@@ -19,6 +19,7 @@ Tokens are written batch by batch (memory does not grow with the corpus), with a
 """
 
 import argparse
+import codecs
 import glob
 import itertools
 import json
@@ -77,11 +78,30 @@ def fetch(source):
     return dest
 
 
+BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+)
+SHORT = 1025  # tokens: one block of GPT-2's 1,024-token context and its last target
+
+
 def read(path):
-    """A text file's contents. A binary file (NUL bytes) is refused; bytes that are not UTF-8 are
-    replaced by U+FFFD, with a warning that counts them."""
+    """A text file's contents: UTF-8, or UTF-16/UTF-32/UTF-8 with a byte-order mark. A binary file (NUL
+    bytes, no such mark) is refused; bytes that are not UTF-8 are replaced by U+FFFD, with a warning
+    that counts them."""
     with open(path, "rb") as f:
         raw = f.read()
+    for bom, encoding in BOMS:  # UTF-32 and UTF-16 (which hold NUL bytes) and UTF-8, by their byte-order mark
+        if raw.startswith(bom):
+            try:
+                return raw.decode(encoding).strip()
+            except UnicodeDecodeError as e:
+                raise SystemExit(
+                    f"{path}: starts with a {encoding} byte-order mark but is not {encoding}: {e}"
+                ) from None
     if b"\0" in raw:
         raise SystemExit(f"{path}: a binary file (it holds NUL bytes), not text: leave it out")
     text = raw.decode("utf-8", errors="replace")
@@ -231,14 +251,14 @@ def doc_batches(docs, names, chars, tokenizer="gpt2", size=256):
         yield flush()
 
 
-def write(name, train, val, out_root=HERE, tokenizer="gpt2"):
+def write(name, train, val, out_root=HERE, tokenizer="gpt2", allow_short=False):
     """train, val: iterables of (name, text) documents, or tokenised datasets (an `ids` column). Written
     into data/<name>.partial/, which becomes data/<name>/ only once complete (a failure leaves nothing)."""
     final, out = os.path.join(out_root, name), os.path.join(out_root, name + ".partial")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     try:
-        _write(name, train, val, out, tokenizer)
+        _write(name, train, val, out, tokenizer, allow_short)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -246,7 +266,7 @@ def write(name, train, val, out_root=HERE, tokenizer="gpt2"):
     os.replace(out, final)
 
 
-def _write(name, train, val, out, tokenizer):
+def _write(name, train, val, out, tokenizer, allow_short=False):
     n_vocab = get_encoding(tokenizer).n_vocab
     dtype = np.uint16 if n_vocab <= 1 << 16 else np.uint32
     tok_name = tokenizer if tokenizer in NAMES else os.path.abspath(tokenizer)
@@ -275,6 +295,15 @@ def _write(name, train, val, out, tokenizer):
                 f"--val_files, or a larger --val_fraction"
             )
         print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens ({tokenizer}, {meta['dtype']})")
+        if tokens < SHORT:
+            said = (
+                f"data/{name}/{split}.bin holds {tokens:,} tokens, fewer than a block of 1,024 and its target: "
+                f"training refuses a block_size >= {tokens - 1}. "
+                + ("Give more text or --val_files, or a larger --val_fraction" if split == "val" else "Give more text")
+            )
+            if not allow_short:  # write() removes the partial folder: nothing is kept
+                raise SystemExit(f"{said}; or --allow_short for a shorter --block_size (nothing was kept)")
+            print(f"warning: {said}", file=sys.stderr)
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
@@ -289,7 +318,18 @@ def main(argv=None):
     ap.add_argument("--split", default="train", help="the split to read (e.g. train, or train[:10%%])")
     ap.add_argument("--val_split", default=None, help="a split to use as val.bin (else --val_fraction of documents)")
     ap.add_argument("--text_field", default="text")
-    ap.add_argument("--val_fraction", type=float, default=0.01, help="documents held out when no val source is given")
+    ap.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.01,
+        help="held out when no val source is given: every (1/f)-th document; with fewer than 1/f files, the "
+        "last f of the last file (cut at a paragraph)",
+    )
+    ap.add_argument(
+        "--allow_short",
+        action="store_true",
+        help=f"keep a split of fewer than {SHORT:,} tokens (for a small --block_size) with a warning",
+    )
     ap.add_argument(
         "--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenising processes (--hf)"
     )
@@ -325,7 +365,7 @@ def main(argv=None):
         corpus = large_corpus()
     else:
         raise SystemExit(f"unknown dataset {a.name!r}: use small, large, --corpus, --files or --hf")
-    write(a.name, *corpus, out_root=a.out_root, tokenizer=a.tokenizer)
+    write(a.name, *corpus, out_root=a.out_root, tokenizer=a.tokenizer, allow_short=a.allow_short)
 
 
 if __name__ == "__main__":

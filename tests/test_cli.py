@@ -275,6 +275,7 @@ def test_prepare_with_qwen2_tokenizer_writes_uint32_that_training_reads(tmp_path
         [
             sys.executable,
             "data/prepare.py",
+            "--allow_short",
             "q",
             "--files",
             str(texts),
@@ -316,6 +317,7 @@ def test_prepare_text_files_and_folders(tmp_path):
         [
             sys.executable,
             "data/prepare.py",
+            "--allow_short",
             "mine",
             "--files",
             str(texts),
@@ -345,13 +347,13 @@ def test_prepare_holds_out_text_even_from_few_files_and_leaves_nothing_when_it_f
     texts.mkdir()
     for i in range(3):
         (texts / f"d{i}.txt").write_text("\n\n".join(f"Paragraph {j} of document {i}." for j in range(200)))
-    prepare.main(["mine", "--files", *sorted(map(str, texts.iterdir())), f"--out_root={tmp_path}"])
+    prepare.main(["mine", "--allow_short", "--files", *sorted(map(str, texts.iterdir())), f"--out_root={tmp_path}"])
     meta = json.load(open(tmp_path / "mine" / "meta.json"))
     assert meta["val"]["documents"] == [str(texts / "d2.txt") + " (end)"] and meta["val"]["tokens"] > 0
     assert meta["train"]["documents"] == [str(texts / f"d{i}.txt") for i in range(3)]
     (texts / "a_blob.txt").write_bytes(b"ELF\0" * 10)  # the first document: read while writing
     with pytest.raises(SystemExit, match="a binary file"):
-        prepare.main(["other", "--files", str(texts), f"--out_root={tmp_path}"])
+        prepare.main(["other", "--allow_short", "--files", str(texts), f"--out_root={tmp_path}"])
     assert not (tmp_path / "other").exists() and not (tmp_path / "other.partial").exists()
 
 
@@ -359,16 +361,16 @@ def test_prepare_refuses_what_is_not_text_and_warns_on_what_is_not_utf8(tmp_path
     from data import prepare
 
     with pytest.raises(SystemExit, match=f"{tmp_path / 'gone.txt'}: no such file or folder"):
-        prepare.main(["mine", "--files", str(tmp_path / "gone.txt"), f"--out_root={tmp_path}"])
+        prepare.main(["mine", "--allow_short", "--files", str(tmp_path / "gone.txt"), f"--out_root={tmp_path}"])
     (tmp_path / "blob.txt").write_bytes(b"ELF\0\1\2" * 50)
     with pytest.raises(SystemExit, match="blob.txt: a binary file"):
-        prepare.main(["mine", "--files", str(tmp_path / "blob.txt"), f"--out_root={tmp_path}"])
+        prepare.main(["mine", "--allow_short", "--files", str(tmp_path / "blob.txt"), f"--out_root={tmp_path}"])
     (tmp_path / "latin1.txt").write_bytes("Caf\xe9 cr\xe8me, na\xefve.\n\n".encode("latin-1") * 20)
-    prepare.main(["mine", "--files", str(tmp_path / "latin1.txt"), f"--out_root={tmp_path}"])
+    prepare.main(["mine", "--allow_short", "--files", str(tmp_path / "latin1.txt"), f"--out_root={tmp_path}"])
     assert "latin1.txt: 60 byte sequence(s) are not UTF-8, replaced by U+FFFD" in capsys.readouterr().err
     pytest.importorskip("datasets")
     with pytest.raises(SystemExit, match="no such folder"):
-        prepare.main(["loc", "--hf", str(tmp_path / "no_such_folder"), f"--out_root={tmp_path}"])
+        prepare.main(["loc", "--allow_short", "--hf", str(tmp_path / "no_such_folder"), f"--out_root={tmp_path}"])
 
 
 def test_prepare_a_local_hugging_face_dataset(tmp_path):
@@ -383,6 +385,7 @@ def test_prepare_a_local_hugging_face_dataset(tmp_path):
         [
             sys.executable,
             "data/prepare.py",
+            "--allow_short",
             "loc",
             "--hf",
             str(src),
@@ -595,3 +598,31 @@ def test_the_gpu_check_names_each_missing_piece(monkeypatch):
     assert "nvcc is CUDA 12.8, torch is built for CUDA 13.0" in taco_ext.gpu_missing()
     monkeypatch.setattr(taco_ext, "_nvcc_version", lambda: (13, 0))
     assert taco_ext.gpu_missing() is None
+
+
+def test_prepare_refuses_a_split_training_would_refuse_and_reads_utf16(tmp_path, capsys):
+    """A split shorter than a 1,024-token block (a small file's 1% tail, an empty file) is refused naming
+    --val_fraction / --val_files and --allow_short, and nothing is kept; --allow_short keeps it with a
+    warning. UTF-16 and UTF-32 text with a byte-order mark is read as text (not as a binary file)."""
+    from data import prepare
+
+    text = "\n\n".join(f"Paragraph {j}: the quick brown fox, once more." for j in range(300))
+    (tmp_path / "one.txt").write_text(text)
+    with pytest.raises(
+        SystemExit, match="val.bin holds .* tokens, fewer than a block .* --val_fraction.* --allow_short"
+    ):
+        prepare.main(["mine", "--files", str(tmp_path / "one.txt"), f"--out_root={tmp_path}"])
+    assert not (tmp_path / "mine").exists() and not (tmp_path / "mine.partial").exists()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(SystemExit, match="train.bin holds 1 tokens"):
+        prepare.main(["mine", "--files", str(tmp_path / "empty.txt"), f"--out_root={tmp_path}"])
+    prepare.main(["mine", "--allow_short", "--files", str(tmp_path / "one.txt"), f"--out_root={tmp_path}"])
+    assert "warning: data/mine/val.bin holds" in capsys.readouterr().err
+    utf8 = json.load(open(tmp_path / "mine" / "meta.json"))
+    for encoding in ("utf-16", "utf-32"):
+        (tmp_path / f"{encoding}.txt").write_text(text, encoding=encoding)  # Python writes the BOM
+        prepare.main(
+            [encoding, "--allow_short", "--files", str(tmp_path / f"{encoding}.txt"), f"--out_root={tmp_path}"]
+        )
+        meta = json.load(open(tmp_path / encoding / "meta.json"))
+        assert (meta["train"]["tokens"], meta["val"]["tokens"]) == (utf8["train"]["tokens"], utf8["val"]["tokens"])
