@@ -220,7 +220,7 @@ def sets(out_dir, complete=True):
 
 def save(r, it):
     """Every writer rank writes its file into the step's folder; after a barrier rank 0 marks
-    the set complete and removes every other set."""
+    the set complete and removes every other set. Returns the set's folder."""
     cfg, grid = r.cfg, r.grid
     folder = os.path.join(cfg.out_dir, "ckpt", f"iter_{it:08d}")
     mine = None
@@ -265,6 +265,7 @@ def save(r, it):
         for old in sets(cfg.out_dir, complete=False):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
+    return folder
 
 
 def load_file(path, meta, device="cpu"):

@@ -425,8 +425,9 @@ def check_layout(tp, pp, world, dp=None, mc=None, schedule="1f1b"):
 
 def check(cfg, world, local_world=None):
     """Everything that can be refused before launch: values, layout, devices, data files."""
-    if cfg.device == "cuda" and taco_ext.gpu_missing(build=False):  # the GPU route's one check, before any CUDA call
-        raise ConfigError(f"device='cuda': {taco_ext.gpu_missing(build=False)}; or use --device=cpu")
+    missing = taco_ext.gpu_missing(build=False) if cfg.device == "cuda" else None  # before any CUDA call
+    if missing:
+        raise ConfigError(f"device='cuda': {missing}; or use --device=cpu")
     if cfg.init_from:
         take_init_from(cfg)
     check_values(cfg)

@@ -109,7 +109,8 @@ def banner(r):
 def step_line(r, it, mean, lr, dt, tokens, flops):
     """The rank-0 line of a log step, and its log.jsonl record."""
     mfu = 100 * flops / (dt * r.grid.world * r.cfg.peak_flops) if r.use_cuda else None
-    line = f"step {it + 1:6d}/{r.cfg.max_iters} | loss {mean:7.4f} | lr {lr:.2e} | {dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
+    line = f"step {it + 1:6d}/{r.cfg.max_iters} | loss {mean:7.4f} | lr {lr:.2e} | "
+    line += f"{dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
     if mfu is not None:
         line += f" | mfu {mfu:5.1f}%"
     for name, s, on in (
@@ -137,7 +138,11 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
 def duration(seconds):
     """1h02m, 3m05s, 42s: a time to read in a log line."""
     s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
 
 def write_trace(r, prof, steps, seconds):

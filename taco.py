@@ -544,7 +544,8 @@ def _destroy_groups():
     groups are destroyed. A rank that leaves while a peer still exchanges the last all-gather's bytes
     with it tears down gloo's transport under that work ("terminate called without an active exception",
     SIGABRT, in 8 of 25 runs of three ranks that destroy without a barrier, none with one). The groups in
-    one order on every rank (no crossed waits); the barrier gives up after 10 s (a peer that died or is still busy: the exit as before)."""
+    one order on every rank (no crossed waits); the barrier gives up after 10 s (a peer that died or is
+    still busy: then the exit is as it was without this hook)."""
     if not dist.is_initialized():
         return
     groups = {tuple(dist.get_process_group_ranks(key[0])): key[0] for key in _AGREED}

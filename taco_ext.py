@@ -96,6 +96,7 @@ def load(verbose=False):
     return _EXT
 
 
+@functools.lru_cache(maxsize=1)  # asked by gpu_missing and _split_compile: one nvcc run
 def _nvcc_version():
     """(major, minor) of the nvcc the build would run (CUDA_HOME's, as torch's JIT finds it), or None."""
     from torch.utils.cpp_extension import CUDA_HOME
@@ -120,12 +121,18 @@ def gpu_missing(build=True):
             f"(pip install torch --index-url https://download.pytorch.org/whl/cu130, or your CUDA's)"
         )
     if not torch.cuda.is_available():
-        return "no CUDA GPU is visible (torch.cuda.is_available() is False): run on a GPU machine, check CUDA_VISIBLE_DEVICES"
+        return (
+            "no CUDA GPU is visible (torch.cuda.is_available() is False): run on a GPU machine, "
+            "check CUDA_VISIBLE_DEVICES"
+        )
     nvcc, want = _nvcc_version(), int(torch.version.cuda.split(".")[0])
     if build and nvcc is None:
         return f"no nvcc found (CUDA_HOME, /usr/local/cuda): install the CUDA {want} toolkit and set CUDA_HOME to it"
     if build and nvcc[0] != want:
-        return f"nvcc is CUDA {nvcc[0]}.{nvcc[1]}, torch is built for CUDA {torch.version.cuda}: set CUDA_HOME to a CUDA {want} toolkit"
+        return (
+            f"nvcc is CUDA {nvcc[0]}.{nvcc[1]}, torch is built for CUDA {torch.version.cuda}: "
+            f"set CUDA_HOME to a CUDA {want} toolkit"
+        )
     return None
 
 

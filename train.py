@@ -353,8 +353,7 @@ def train(r):
             )
             t0 = time.time()
         if saving:
-            checkpoint.save(r, it + 1)
-            out.line(f"saved checkpoint {os.path.join(cfg.out_dir, 'ckpt', f'iter_{it + 1:08d}')}")
+            out.line(f"saved checkpoint {checkpoint.save(r, it + 1)}")
         if stopping:
             out.line(f"stopped at step {it + 1}" + ("; continue with --resume" if saving else ""))
             raise SystemExit(128 + stopping)

@@ -297,7 +297,7 @@ def _write(name, train, val, out, tokenizer, allow_short=False):
         print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens ({tokenizer}, {meta['dtype']})")
         if tokens < SHORT:
             said = (
-                f"data/{name}/{split}.bin holds {tokens:,} tokens, fewer than a block of 1,024 and its target: "
+                f"data/{name}/{split}.bin holds {tokens:,} tokens, fewer than a block of {SHORT - 1:,} and its target: "
                 f"training refuses a block_size >= {tokens - 1}. "
                 + ("Give more text or --val_files, or a larger --val_fraction" if split == "val" else "Give more text")
             )
