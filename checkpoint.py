@@ -105,7 +105,12 @@ def os_errors(path, what):
     except OSError as e:
         if e.errno not in FIXES:
             raise
-        raise SystemExit(f"{e.filename or path}: cannot {what}: {FIXES[e.errno]}") from None
+        name, fix = str(e.filename or path), FIXES[e.errno]
+        if e.errno == errno.ENAMETOOLONG and max(len(c.encode()) for c in name.split(os.sep)) <= 255:
+            fix = f"the path is {len(name.encode()):,} bytes, longer than the system allows: choose a shorter one"
+        if len(name) > 160:  # a path too long to read whole: its two ends
+            name = f"{name[:60]}...{name[-60:]}"
+        raise SystemExit(f"{name}: cannot {what}: {fix}") from None
 
 
 def _alive(pid):

@@ -180,6 +180,10 @@ def export(model, tokenizer, dest, overwrite, source):
             else f"; no tokenizer: a vocabulary of {model.config.vocab_size} is no tokenizer's here"
         )
     )
+    if covered and model.config.family == "qwen2" and tokenizer != "qwen2":
+        print(f"note: transformers 5's AutoTokenizer reads every qwen2 folder with Qwen2's own tokenizer class, "
+              f"whatever tokenizer_config.json names: read {tokenizer}'s ids with "
+              f"PreTrainedTokenizerFast.from_pretrained({dest!r}) (its tokenizer.json)")  # fmt: skip
 
 
 def cli(argv=None):

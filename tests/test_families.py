@@ -220,6 +220,16 @@ def test_family_configs_are_real_shapes_that_pass_the_launch_checks(path, world,
     assert config.parse([path]).model_config().num_params(False) / 1e6 == pytest.approx(params, abs=0.05)
 
 
+def test_export_refuses_a_model_its_class_cannot_hold_in_one_line(tmp_path):
+    """A Qwen2 model without its q/k/v biases is no Qwen2ForCausalLM: refused naming the part, no
+    folder (finished or partial) left behind."""
+    cfg = config.parse(["--family=qwen2", "--qkv_bias=False", "--vocab_size=64", "--n_layer=1", "--n_embd=16"])
+    model = GPT(cfg.model_config(), seed=0)
+    with pytest.raises(SystemExit, match=r"^run: Qwen2ForCausalLM cannot hold this model: it has qkv_bias=False$"):
+        sample.export(model, "", str(tmp_path / "out"), overwrite=False, source="run")
+    assert os.listdir(tmp_path) == []
+
+
 def test_export_replaces_a_model_folder_only_when_told_and_wholly(tmp_path, monkeypatch):
     """Export into a folder that holds another model: refused without --overwrite; with it, the old
     shard index and shards go (loaders prefer an index, so a stale one would load the old weights), the

@@ -121,25 +121,40 @@ def test_qwen2_export_then_load_is_exact(tmp_path, name):
     assert hf.model_config(str(dest)) == hf.model_config(QWEN[name])
 
 
-@pytest.mark.parametrize("family, vocab", [("gpt2", 50257), ("qwen2", 151936)])
-def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, family, vocab):
-    """An exported folder holds its tokenizer: Hugging Face's AutoTokenizer reads it and gives our
-    tokenizer's ids for the same text (English, digits, accents, CJK, emoji, runs of spaces) and
-    decodes them back to that text (Qwen2: NFC-normalised, as its tokenizer is)."""
+@pytest.mark.parametrize(
+    "family, vocab, tokenizer", [("gpt2", 50257, "gpt2"), ("qwen2", 151936, "qwen2"), ("qwen2", 50304, "gpt2")]
+)
+def test_export_writes_the_tokenizer_that_autotokenizer_reads(tmp_path, capsys, family, vocab, tokenizer):
+    """An exported folder holds its tokenizer: Hugging Face reads it and gives our tokenizer's ids for the
+    same text (English, digits, accents, CJK, emoji, runs of spaces and of one letter) and decodes them
+    back to that text (Qwen2: NFC-normalised, as its tokenizer is). A document's own "<|endoftext|>" is
+    ordinary text to us and the special token to Hugging Face unless split_special_tokens. A Qwen2-shaped
+    model on GPT-2 tokens: transformers 5 gives every qwen2 folder Qwen2's class, so the export names
+    PreTrainedTokenizerFast, which reads its tokenizer.json."""
     transformers = pytest.importorskip("transformers")
-    src, dest = str(tmp_path / "src"), str(tmp_path / "dest")
-    hf.save(GPT(GPTConfig(family=family, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32), seed=0), src)
-    sample.cli(["export", src, dest])
-    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= set(os.listdir(dest))
-    tok = transformers.AutoTokenizer.from_pretrained(dest)
+    dest = str(tmp_path / "dest")
+    model = GPT(GPTConfig(family=family, vocab_size=vocab, n_layer=1, n_head=2, n_embd=16, block_size=32), seed=0)
+    sample.export(model, tokenizer, dest, overwrite=False, source="test")
+    assert {"tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"} <= set(os.listdir(dest))
+    mixed = tokenizer != family
+    assert ("PreTrainedTokenizerFast.from_pretrained" in capsys.readouterr().out) == mixed
     text = (
         "First Citizen:\nBefore we proceed any further, hear me speak.\n\n  1234567 + 89 = ?\tnaïve café "
-        "Ünïcödé \u4e2d\u6587 \U0001f600 e\u0301 it's don't"
+        "Ünïcödé \u4e2d\u6587 \U0001f600 e\u0301 it's don't " + "a" * 40 + " " + "x" * 33 + "!!!!!!!!!!!!"
     )
-    ids = get_encoding(family).encode_ordinary(text)
-    assert tok(text)["input_ids"] == ids
-    assert tok.decode(ids) == (text if family == "gpt2" else unicodedata.normalize("NFC", text))
-    assert tok.eos_token == "<|endoftext|>" and tok.model_max_length == 32
+    enc = get_encoding(tokenizer)
+    ids, eot = enc.encode_ordinary(text), enc.eot_token
+    classes = [transformers.PreTrainedTokenizerFast] + ([] if mixed else [transformers.AutoTokenizer])
+    for cls in classes:
+        tok = cls.from_pretrained(dest)
+        assert tok(text)["input_ids"] == ids, (cls, type(tok))
+        assert tok.decode(ids) == (text if tokenizer == "gpt2" else unicodedata.normalize("NFC", text))
+        doc = "a<|endoftext|>b"
+        assert eot not in enc.encode_ordinary(doc) and eot in tok(doc)["input_ids"]
+        assert tok(doc, split_special_tokens=True)["input_ids"] == enc.encode_ordinary(doc)
+        assert tok.model_max_length == 32 and (
+            cls is transformers.PreTrainedTokenizerFast or tok.eos_token == "<|endoftext|>"
+        )
 
 
 def test_pytorch_model_bin_reads_like_safetensors(tmp_path):

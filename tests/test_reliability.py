@@ -375,7 +375,7 @@ def test_a_changed_byte_past_the_first_hashing_piece_is_found(tmp_path, monkeypa
 
 def test_os_errors_are_one_line_naming_the_path_and_the_fix(tmp_path, monkeypatch):
     """A full disk while saving (torch.save's RuntimeError), a read-only file system, a name over 255
-    bytes, an export onto a file, an empty LOCK: each a clear line (or a stale LOCK taken over)."""
+    bytes, a whole path over the system's limit, an export onto a file, an empty LOCK: each a clear line (or a stale LOCK taken over)."""
     r = _run(tmp_path)
     checkpoint.save(r, 2)
 
@@ -402,6 +402,10 @@ def test_os_errors_are_one_line_naming_the_path_and_the_fix(tmp_path, monkeypatc
     monkeypatch.undo()
     with pytest.raises(SystemExit, match="a name in the path is too long"):
         checkpoint.claim(str(tmp_path / ("x" * 300)), resume=False, overwrite=False, rank0=True)
+    deep = str(tmp_path.joinpath(*["d" * 200] * 21))  # every name short, the whole path over 4 KiB
+    with pytest.raises(SystemExit, match=r"the path is [\d,]+ bytes, longer than the system allows") as e:
+        checkpoint.claim(deep, resume=False, overwrite=False, rank0=True)
+    assert len(str(e.value)) < 300
     (tmp_path / "afile").write_text("")
     import sample
 
