@@ -467,3 +467,27 @@ def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
     assert names["void multi_tensor_apply_kernel"] == pytest.approx(10 / S)
     assert (busy, span) == pytest.approx((30 / S, 50 / S))  # 0-15, 30-35, 40-50 busy
     assert peer_profile.kind("void at::native::lpnorm_cleanup<float>") == "norm, clip (foreach)"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_memorys_recompute_variants_are_the_same_model(family):
+    """lab.memory's variants recompute activations in the backward: the loss and every gradient are
+    those of the book's model, bit for bit (fp32, CPU), and the book's forwards come back after."""
+    from lab import memory
+    from model import GPT, GPTConfig
+
+    mc = GPTConfig(family=family, vocab_size=96, n_layer=2, n_head=2, n_embd=16, block_size=16)
+    x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads, kept = {}, {}
+    for name in memory.VARIANTS:
+        saved = []
+        with memory.variant(name):
+            model = GPT(mc, seed=0)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+                loss = model(x, x)[1]
+            loss.backward()
+        grads[name], kept[name] = [loss.detach()] + [p.grad for p in model.parameters()], sum(saved)
+    for name in memory.VARIANTS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads["as is"], grads[name])), name
+    assert kept["as is"] > kept["mlp up"] > kept["block"], kept  # the forward keeps less for the backward
+    assert memory.book.MLP.forward is memory._MLP_FORWARD and memory.book.Block.forward is memory._BLOCK_FORWARD

@@ -1,0 +1,129 @@
+"""
+Where one training step's GPU memory goes (one GPU, TP=1, the loop of `bench.py hf`: fp32 weights
+under bf16 autocast, compiled, fused AdamW, clipping), and what recomputing activations in the
+backward would save and cost. Each variant is the book's model with one forward wrapped in
+torch.utils.checkpoint (patched here, the book unchanged):
+
+    as is        the book's model
+    mlp up       each MLP's fc and activation recomputed (the [gate|up] output is not kept; the
+                 all-reduce of its row-parallel proj stays outside, never run twice)
+    block        every block recomputed whole (full activation checkpointing: the floor)
+
+    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants "as is,mlp up,block"]
+
+Per variant: the resident memory (weights, AdamW state), what the forward keeps for the backward
+(allocated after the forward less the resident), the step's peak, ms/step. results/memory_<tag>.json.
+"""
+
+import argparse
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import config as settings
+import model as book
+from benchmarks.common import save, table
+from benchmarks.models import _batch
+
+VARIANTS = ("as is", "mlp up", "block")
+
+
+def _mlp_up(self, x):
+    def up(x):
+        h = self.fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    return self.drop(self.proj(checkpoint(up, x, use_reentrant=False)))
+
+
+def _block(self, x, rope=None):
+    return checkpoint(_BLOCK_FORWARD, self, x, rope, use_reentrant=False)
+
+
+_BLOCK_FORWARD, _MLP_FORWARD = book.Block.forward, book.MLP.forward
+
+
+@contextlib.contextmanager
+def variant(name):
+    """The book's model with `name`'s recomputation patched in, for the duration."""
+    book.MLP.forward = _mlp_up if name == "mlp up" else _MLP_FORWARD
+    book.Block.forward = _block if name == "block" else _BLOCK_FORWARD
+    try:
+        yield
+    finally:
+        book.MLP.forward, book.Block.forward = _MLP_FORWARD, _BLOCK_FORWARD
+
+
+def measure(cfg, name, steps, warmup=4):
+    mc, dev = cfg.model_config(), torch.device("cuda")
+    x, y = _batch(mc, cfg.batch_size, cfg.block_size, dev)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    with variant(name):
+        model = book.GPT(mc, seed=0).to(dev)
+        run = torch.compile(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        kept = []
+
+        def step(probe=False):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = run(x, y)[1]
+            if probe:
+                torch.cuda.synchronize()
+                kept.append(torch.cuda.memory_allocated())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        step(probe=True)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = step()
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) / steps * 1e3
+    row = {
+        "variant": name,
+        "ms/step": round(ms, 2),
+        "resident GiB": round(resident / 2**30, 2),
+        "kept for backward GiB": round((kept[0] - base - resident) / 2**30, 2),
+        "peak GiB": round(peak / 2**30, 2),
+        "loss": round(loss.item(), 4),
+    }
+    return row  # the model, its optimizer and their memory go with this frame
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("extra", nargs="*", help="--key=value settings after --")
+    a = ap.parse_args(argv)
+    cfg = settings.parse([a.config, *a.extra])
+    rows = [measure(cfg, v.strip(), a.steps) for v in a.variants.split(",")]
+    base = rows[0]["ms/step"]
+    for r in rows:
+        r["vs first"] = f"{base / r['ms/step']:.3f}x"
+    tag = a.tag or cfg.model_config().family
+    save(f"memory_{tag}", rows, config=a.config, extra=a.extra, batch=cfg.batch_size, seq=cfg.block_size)
+    table(rows, ["variant", "ms/step", "vs first", "resident GiB", "kept for backward GiB", "peak GiB", "loss"])
+
+
+if __name__ == "__main__":
+    main()
