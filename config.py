@@ -9,6 +9,7 @@ group or model exists, whatever cannot work, with the fix; start() does both and
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import inspect
 import json
 import os
@@ -89,6 +90,7 @@ class Settings:
     resume: bool = False  # continue from out_dir's newest complete checkpoint set (of out_dir's own run)
     resume_from: str = ""  # with resume: this set's folder instead (also another run's: it goes on as that run)
     progress: bool = True  # tqdm bar on rank 0 (only when the output is a terminal)
+    tensorboard: bool = False  # also write log.jsonl's records as TensorBoard events into out_dir
     sample_tokens: int = 120  # sample this many tokens at the end (0: none)
     sample_prompt: str = "\n"  # the text the sample starts from
     # parallelism: world = tp * pp * dp (dp is derived)
@@ -428,6 +430,8 @@ def check(cfg, world, local_world=None):
     missing = taco_ext.gpu_missing(build=False) if cfg.device == "cuda" else None  # before any CUDA call
     if missing:
         raise ConfigError(f"device='cuda': {missing}; or use --device=cpu")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tensorboard=True needs the tensorboard package: pip install tensorboard")
     if cfg.init_from:
         take_init_from(cfg)
     check_values(cfg)
@@ -438,7 +442,7 @@ def check(cfg, world, local_world=None):
             f"resume_from={cfg.resume_from!r} needs --resume and a complete checkpoint set "
             f"(a folder ckpt/iter_N holding COMPLETE)"
         )
-    check_memory(cfg, mc, local_world or world)
+    check_memory(cfg, mc, local_world or world, dp)
     local_world = local_world or world
     if local_world % cfg.tp:
         raise ConfigError(
@@ -520,26 +524,40 @@ def prepare_hint(cfg):
     return f"python data/prepare.py {cfg.dataset} --files <your text>{tok}"
 
 
-def check_memory(cfg, mc, ranks_here):
-    """Refuse a micro-batch whose logits alone cannot fit, before anything is allocated: the loss holds
-    (batch_size, block_size, vocabulary/tp) fp32 values twice (the logits and their softmax)."""
-    need = cfg.batch_size * cfg.block_size * mc.padded_vocab // cfg.tp * 8
-    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        have, where = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
-    else:
-        try:  # MemAvailable, in kB, shared by this host's ranks
-            with open("/proc/meminfo") as f:
-                have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) // ranks_here
-        except (OSError, StopIteration):  # not Linux: nothing to compare with
-            return
-        where = f"the RAM available to each of {ranks_here} rank(s) here"
-    if need > have:
+def check_memory(cfg, mc, ranks_here, dp=1):
+    """Refuse a run that cannot fit, before anything is allocated, by a lower bound of what one rank
+    holds at once: its share of the fp32 weights and their gradients (8 bytes a parameter over tp x pp)
+    and of AdamW's two moments (8 more, also over dp with zero1), the residual stream each of its layers
+    keeps for the backward (fp32, a micro-batch's tokens x n_embd, over tp under sequence parallelism)
+    and one chunk of the fused loss (the chunk's fp32 logits and softmax over vocabulary/tp columns)."""
+    tokens, n = cfg.batch_size * cfg.block_size, mc.num_params(False) // (cfg.tp * cfg.pp)
+    parts = {
+        "weights and gradients": n * 8,
+        "AdamW's moments": n * 8 // (dp if cfg.zero1 else 1),
+        "the residual stream": tokens * mc.n_embd * 4 * (mc.n_layer // cfg.pp) // (cfg.tp if cfg.sequence_parallel else 1),
+        "a loss chunk": min(mc.loss_chunk or tokens, tokens) * mc.padded_vocab // cfg.tp * 8,
+    }  # fmt: skip
+    need, (have, where) = sum(parts.values()), memory_here(cfg, ranks_here)
+    if have is not None and need > have:
+        said = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in parts.items())
         raise ConfigError(
-            f"one micro-batch's logits alone need {need / 2**30:.1f} GiB (batch_size={cfg.batch_size} "
-            f"x block_size={cfg.block_size} x {mc.padded_vocab // cfg.tp} vocabulary columns x 8 "
-            f"bytes), more than the {have / 2**30:.1f} GiB of {where}: lower --batch_size or "
-            f"--block_size (gradient_accumulation_steps keeps the tokens per step)"
+            f"each rank needs at least {need / 2**30:.1f} GiB ({said}), more than the {have / 2**30:.1f} GiB "
+            f"of {where}: more --tp / --pp, a lower --batch_size or --block_size (gradient_accumulation_steps "
+            f"keeps the tokens per step), or a smaller --loss_chunk"
         )
+
+
+def memory_here(cfg, ranks_here):
+    """(bytes, where) a rank may use: a GPU's memory, else its share of the RAM available on this host
+    ((None, "") where that cannot be read)."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    try:  # MemAvailable, in kB, shared by this host's ranks
+        with open("/proc/meminfo") as f:
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")) // ranks_here
+    except (OSError, StopIteration):  # not Linux: nothing to compare with
+        return None, ""
+    return have, f"the RAM available to each of {ranks_here} rank(s) here"
 
 
 def take_init_from(cfg):

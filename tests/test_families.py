@@ -212,9 +212,11 @@ def test_a_qwen3_checkpoint_merges_into_the_folders_model(tmp_path):
         ("configs/smollm2_135m.py", 3, [], 134.5),
     ],
 )
-def test_family_configs_are_real_shapes_that_pass_the_launch_checks(path, world, layout, params):
+def test_family_configs_are_real_shapes_that_pass_the_launch_checks(path, world, layout, params, monkeypatch):
     """The configs' shapes are the models' (parameter counts as published: 1.24B, 0.6B, 135M) and their
-    layouts pass the checks before launch (the small dataset standing in, read as the model's on purpose)."""
+    layouts pass the checks before launch (the small dataset standing in, read as the model's on purpose;
+    the memory an 80 GiB GPU's, as they are meant for)."""
+    monkeypatch.setattr(config, "memory_here", lambda cfg, ranks: (80 * 2**30, "an H100's memory"))
     cfg = config.parse([path, *layout, "--device=cpu", "--dataset=small", "--tokenizer=gpt2", "--vocab_size=50257"])
     config.check(cfg, world)
     assert config.parse([path]).model_config().num_params(False) / 1e6 == pytest.approx(params, abs=0.05)

@@ -176,9 +176,9 @@ def test_resume_is_bit_exact(tmp_path, zero):
         (["--tp=2", "--pp=2", "--intermediate_size=47"], "intermediate_size=47 is not divisible by tp=2"),
         (["--rope_theta=0"], "rope_theta=0.0 must be > 0"),
         (
-            ["--block_size=50000"],
-            "one micro-batch's logits alone need 299.8 GiB (batch_size=16 x block_size=50000 x "
-            "50304 vocabulary columns x 8 bytes)",
+            ["--n_layer=96", "--n_embd=12288", "--n_head=96", "--block_size=8192"],  # GPT-3 175B's shape
+            "each rank needs at least 3180.5 GiB (weights and gradients 1301.5, AdamW's moments 1301.5, "
+            "the residual stream 576.0, a loss chunk 1.5)",
         ),
         (["--resume_from=out/x/ckpt/iter_00000004"], "needs --resume and a complete checkpoint set"),
         (
@@ -264,11 +264,19 @@ def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     "world, layout",
     [(8, ["--tp=8"]), (4, ["--tp=4"]), (8, ["--tp=4", "--pp=2", "--gradient_accumulation_steps=4", "--batch_size=2"])],
 )
-def test_gpt7b_layouts_for_4_and_8_gpus_pass_the_launch_checks(world, layout):
+def test_gpt7b_layouts_for_4_and_8_gpus_pass_the_launch_checks(world, layout, monkeypatch):
     """The TP=4/8 layouts of configs/gpt7b.py (for 4- and 8-GPU machines) are accepted before launch
-    (here on CPU, the small dataset standing in for the large one)."""
+    (here on CPU, the small dataset standing in for the large one, the memory an 80 GiB GPU's); on one
+    such GPU the model is refused by the memory bound, naming its parts."""
     import config
 
+    monkeypatch.setattr(config, "memory_here", lambda cfg, ranks: (80 * 2**30, "an H100's memory"))
     g = config.parse(["configs/gpt7b.py", *layout, "--device=cpu", "--dataset=small"])
     assert (g.n_layer, g.n_embd, g.n_head) == (32, 4096, 32)
     config.check(g, world)  # raises ConfigError naming the fix if not
+    one = config.parse(["configs/gpt7b.py", "--tp=1", "--device=cpu", "--dataset=small"])
+    with pytest.raises(
+        config.ConfigError,
+        match=r"at least 108\.7 GiB \(weights and gradients 49\.6, AdamW's moments 49\.6, .* an H100's",
+    ):
+        config.check(one, 1)
