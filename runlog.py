@@ -41,10 +41,14 @@ class Output:
     records; other ranks write nothing."""
 
     def __init__(self, r):
-        self.master, self.bar, self.jlog = r.grid.rank == 0, None, None
+        self.master, self.bar, self.jlog, self.tb = r.grid.rank == 0, None, None, None
         if self.master:
             banner(r)
             self.jlog = open_log(r)
+            if r.cfg.tensorboard:  # a resume drops the events after its step, as open_log drops records
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(r.cfg.out_dir, purge_step=r.it0 + 1 if r.resumed_from else None)
             if r.cfg.progress and sys.stderr.isatty():
                 from tqdm import tqdm
 
@@ -62,10 +66,22 @@ class Output:
             if record is not None:
                 self.jlog.write(json.dumps(record) + "\n")
                 self.jlog.flush()
+            if record is not None and self.tb is not None:
+                self.scalars(record)
+
+    def scalars(self, record):
+        """A record's numbers as TensorBoard scalars at its step: val/ for an evaluation, train/ else."""
+        group = "val" if "val_loss" in record else "train"
+        for k, v in record.items():
+            if k != "iter" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.tb.add_scalar(f"{group}/{k}", v, record["iter"])
+        self.tb.flush()  # a stopped run keeps its last lines
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 class Profile:
@@ -100,14 +116,25 @@ def banner(r):
         print(f"init_from: {r.cfg.init_from} ({mc.family}, {mc.num_params(False) / 1e6:.1f}M parameters)")
     if r.tp_auto:
         print(f"tp_codec=auto: forward {r.comm.fwd_codec}, backward {r.comm.bwd_codec} ({r.tp_auto})")
-    print(
-        f"model: {r.model.config.num_params() / 1e6:.2f} M parameters (non-embedding), "
-        f"{r.model.config.num_params(False) / 1e6:.2f} M in all"
-    )
+    print(model_line(r.model.config))
 
 
-def step_line(r, it, mean, lr, dt, tokens, flops):
-    """The rank-0 line of a log step, and its log.jsonl record."""
+def model_line(mc):
+    """What the parameters are, in words: the token embedding (the padded vocabulary's rows) is most
+    of a small model's, and a tied one is also the LM head."""
+    m = lambda n: f"{n / 1e6:.2f} M"
+    emb = mc.padded_vocab * mc.n_embd
+    parts = [f"{m(emb)} of them the token embedding" + (" (tied: also the LM head)" if mc.tie_embeddings else "")]
+    if not mc.tie_embeddings:
+        parts.append(f"{m(emb)} the LM head")
+    if mc.positions == "learned":
+        parts.append(f"{m(mc.block_size * mc.n_embd)} the learned positions")
+    return f"model: {m(mc.num_params(False))} parameters, " + ", ".join(parts)
+
+
+def step_line(r, it, mean, lr, dt, tokens, flops, grad_norm):
+    """The rank-0 line of a log step, and its log.jsonl record (also the last step's gradient norm, before
+    clipping)."""
     mfu = 100 * flops / (dt * r.grid.world * r.cfg.peak_flops) if r.use_cuda else None
     line = f"step {it + 1:6d}/{r.cfg.max_iters} | loss {mean:7.4f} | lr {lr:.2e} | "
     line += f"{dt * 1000:8.1f} ms | {tokens / dt:9.0f} tok/s"
@@ -129,7 +156,8 @@ def step_line(r, it, mean, lr, dt, tokens, flops):
         line += f" | mem {mem:5.1f} GiB"
     eta = (r.cfg.max_iters - it - 1) * dt  # at this line's pace, evaluations and saves not counted
     line += f" | eta {duration(eta)}"
-    record = dict(iter=it + 1, loss=mean, lr=lr, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu, peak_mem_gib=mem)
+    record = dict(iter=it + 1, loss=mean, lr=lr, grad_norm=grad_norm, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu)
+    record["peak_mem_gib"] = mem
     for name, s in (("tp", r.comm.stats), ("dp", r.dp_stats), ("pp", r.pp_stats)):
         record.update({f"{name}_wire_bytes": s.wire_bytes, f"{name}_ratio": s.ratio})
     return line, record

@@ -343,7 +343,7 @@ def train(r):
         if logging:
             if r.use_cuda:
                 torch.cuda.synchronize()
-            out.line(*runlog.step_line(r, it, mean, lr, (time.time() - t0) / nsum, tokens, flops))
+            out.line(*runlog.step_line(r, it, mean, lr, (time.time() - t0) / nsum, tokens, flops, gnorm.item()))
             t0, loss_sum, nsum = time.time(), 0.0, 0
         if evaluating:
             ev = evaluate(r, it)
@@ -356,6 +356,8 @@ def train(r):
             out.line(f"saved checkpoint {checkpoint.save(r, it + 1)}")
         if stopping:
             out.line(f"stopped at step {it + 1}" + ("; continue with --resume" if saving else ""))
+            if grid.rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
+                print("(torchrun reports the signal next: its traceback and exit code 1 are its own)", flush=True)
             raise SystemExit(128 + stopping)
     stop.restore()
     out.close()

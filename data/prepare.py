@@ -6,7 +6,7 @@ for the other families (uint32 past 65,536 ids; meta.json records the tokenizer 
     python data/prepare.py small          # ~1 MB: 8 Shakespeare plays; val = Hamlet      -> data/small/
     python data/prepare.py small_qwen2 --corpus=small --tokenizer=qwen2    # the same text, Qwen2's ids
     python data/prepare.py small_llama3 --corpus=small --tokenizer=llama3  # the same text, Llama 3's ids
-    python data/prepare.py large          # ~27 MB: Gutenberg books, State of the Union
+    python data/prepare.py large          # ~29 MB: Gutenberg books, State of the Union
                                           #   addresses, Shakespeare and Milton          -> data/large/
     python data/prepare.py mine --files a.txt texts/ [--val_files c.txt] [--val_fraction 0.01]
     python data/prepare.py fw --hf HuggingFaceFW/fineweb --hf_config sample-10BT --num_proc 16

@@ -4,6 +4,7 @@ a two-node launch, and the run's files (log.jsonl, out_dir)."""
 
 import ast
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -546,6 +547,27 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
         assert line in _numbers(printed), (line, [ln for ln in printed if ln.startswith(line[:12])])
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--family=qwen2", "--vocab_size=151936"], r"of them the token embedding \(tied: also the LM head\)$"),
+        (["--family=llama", "--tie_embeddings=False"], r"of them the token embedding, [\d.]+ M the LM head$"),
+        (["--family=gpt2"], r"\(tied: also the LM head\), [\d.]+ M the learned positions$"),
+    ],
+)
+def test_the_model_line_says_what_its_parameters_are(argv, words):
+    """The banner's counts, each against the parameters of the model itself (built without storage)."""
+    import runlog
+
+    mc = config.parse(["configs/demo.py", *argv]).model_config()
+    line = runlog.model_line(mc)
+    with torch.device("meta"):
+        model = GPT(mc, seed=None)
+    total = sum(p.numel() for p in model.parameters())
+    assert re.search(words, line), line
+    assert line.startswith(f"model: {total / 1e6:.2f} M parameters, {model.wte.weight.numel() / 1e6:.2f} M of them")
+
+
 def test_the_kernel_loop_imports_no_more_than_it_needs():
     """The kernel edit -> rerun loop's process imports taco, which does not pull in torch._dynamo
     (about 1.5 s; only the symmetric-memory transport and torch.compile need it); and
@@ -626,3 +648,26 @@ def test_prepare_refuses_a_split_training_would_refuse_and_reads_utf16(tmp_path,
         )
         meta = json.load(open(tmp_path / encoding / "meta.json"))
         assert (meta["train"]["tokens"], meta["val"]["tokens"]) == (utf8["train"]["tokens"], utf8["val"]["tokens"])
+
+
+def test_tensorboard_events_hold_the_logs_records(tmp_path, monkeypatch):
+    """--tensorboard=True: the event files in out_dir hold log.jsonl's numbers (loss, lr, gradient norm,
+    tok/s, wire bytes at every logged step; the evaluation's losses under val/), a resumed run's too;
+    without the package, refused before launch."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = TINY + ["--tp=2", "--eval_interval=4", "--tensorboard=True", f"--out_dir={tmp_path}"]
+    run(args + ["--max_iters=4"], nproc=2)
+    run(args + ["--max_iters=7", "--resume"], nproc=2)  # a second event file, the same folder
+    ev = EventAccumulator(str(tmp_path)).Reload()
+    rows = [json.loads(ln) for ln in open(tmp_path / "log.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    for key in ("loss", "lr", "grad_norm", "tok_s", "tp_wire_bytes"):
+        got = {e.step: e.value for e in ev.Scalars(f"train/{key}")}
+        assert got == pytest.approx({r["iter"]: r[key] for r in steps}, rel=1e-6), key
+    assert [e.step for e in ev.Scalars("val/val_loss")] == [r["iter"] for r in rows if "val_loss" in r]
+    assert all(r["grad_norm"] > 0 for r in steps)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else 1)
+    with pytest.raises(config.ConfigError, match="tensorboard=True needs the tensorboard package: pip install"):
+        config.check(config.parse(["--tensorboard=True"]), 1)

@@ -133,6 +133,10 @@ def test_a_signal_saves_a_last_set_and_the_resume_is_bit_exact(tmp_path, sig):
     n = _state(a)["iter"]
     assert p.returncode != 0 and n >= 3 and f"stopped at step {n}; continue with --resume" in out, out[-3000:]
     assert "Traceback" not in out.split("stopped at step")[0], out[-3000:]
+    if sig == signal.SIGINT:  # what the README says a user sees: torchrun's own report, exit code 1
+        after = out.split("continue with --resume")[1]
+        assert "its traceback and exit code 1 are its own" in after and p.returncode == 1, out[-3000:]
+        assert "Traceback" not in after or "SignalException" in after, out[-3000:]
     run(common + [f"--max_iters={n + 2}", f"--out_dir={a}", "--resume"], nproc=2)
     run(common + [f"--max_iters={n + 2}", f"--out_dir={b}"], nproc=2)
     ca, cb = _state(a), _state(b)
