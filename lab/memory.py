@@ -10,9 +10,12 @@ torch.utils.checkpoint (patched here, the book unchanged):
     block        every block recomputed whole (full activation checkpointing: the floor)
 
     python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants "as is,mlp up,block"]
+    python -m lab.memory configs/qwen2_5_0_5b.py --cpu 512      # no GPU: what the forward keeps
 
 Per variant: the resident memory (weights, AdamW state), what the forward keeps for the backward
-(allocated after the forward less the resident), the step's peak, ms/step. results/memory_<tag>.json.
+(allocated after the forward less the resident), the step's peak, ms/step: results/memory_<tag>.json.
+With --cpu: the bytes one eager forward keeps for the backward, per sequence and fixed (the fused
+loss's head gradient, bf16 copies of weights): results/memory_<tag>_cpu.json.
 """
 
 import argparse
@@ -31,7 +34,12 @@ from benchmarks.models import _batch
 VARIANTS = ("as is", "mlp up", "block")
 
 
+_NOTE = []  # while counting (kept_for_backward): what each checkpoint keeps to recompute from
+
+
 def _mlp_up(self, x):
+    _NOTE and _NOTE[0](x)
+
     def up(x):
         h = self.fc(x)
         if self.swiglu:
@@ -43,6 +51,7 @@ def _mlp_up(self, x):
 
 
 def _block(self, x, rope=None):
+    _NOTE and _NOTE[0](x)
     return checkpoint(_BLOCK_FORWARD, self, x, rope, use_reentrant=False)
 
 
@@ -107,20 +116,56 @@ def measure(cfg, name, steps, warmup=4):
     return row  # the model, its optimizer and their memory go with this frame
 
 
+def kept_for_backward(mc, name, batch, seq):
+    """Bytes one forward keeps for the backward, eager on the CPU under bf16 autocast: autograd's saved
+    tensors (each storage once, the weights left out) and what each checkpoint keeps to recompute
+    from. Compiled, the partitioner may keep less (it recomputes cheap pointwise results)."""
+    with variant(name):
+        model = book.GPT(mc, seed=0)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept = {}
+
+        def note(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randint(0, mc.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        _NOTE.append(note)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+                model(x, x)
+        finally:
+            _NOTE.clear()
+    return sum(kept.values())
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--cpu", type=int, default=0, metavar="SEQ", help="no GPU: count what the forward keeps, at SEQ tokens"
+    )
     ap.add_argument("--tag", default="")
     ap.add_argument("extra", nargs="*", help="--key=value settings after --")
     a = ap.parse_args(argv)
     cfg = settings.parse([a.config, *a.extra])
-    rows = [measure(cfg, v.strip(), a.steps) for v in a.variants.split(",")]
+    mc, names, tag = cfg.model_config(), [v.strip() for v in a.variants.split(",")], a.tag or cfg.model_config().family
+    if a.cpu:  # one sequence and two: what grows with the batch, and what does not
+        rows = []
+        for v in names:
+            one, two = (kept_for_backward(mc, v, b, a.cpu) for b in (1, 2))
+            rows.append({"variant": v, f"GiB per {a.cpu}-token sequence": round((two - one) / 2**30, 3),
+                         "GiB fixed": round((2 * one - two) / 2**30, 3)})  # fmt: skip
+        save(f"memory_{tag}_cpu", rows, config=a.config, extra=a.extra, seq=a.cpu, note=kept_for_backward.__doc__)
+        table(rows, list(rows[0]))
+        return
+    rows = [measure(cfg, v, a.steps) for v in names]
     base = rows[0]["ms/step"]
     for r in rows:
         r["vs first"] = f"{base / r['ms/step']:.3f}x"
-    tag = a.tag or cfg.model_config().family
     save(f"memory_{tag}", rows, config=a.config, extra=a.extra, batch=cfg.batch_size, seq=cfg.block_size)
     table(rows, ["variant", "ms/step", "vs first", "resident GiB", "kept for backward GiB", "peak GiB", "loss"])
 

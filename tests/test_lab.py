@@ -490,4 +490,6 @@ def test_memorys_recompute_variants_are_the_same_model(family):
     for name in memory.VARIANTS[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads["as is"], grads[name])), name
     assert kept["as is"] > kept["mlp up"] > kept["block"], kept  # the forward keeps less for the backward
+    counted = [memory.kept_for_backward(mc, name, 2, 16) for name in memory.VARIANTS]  # also the checkpoints' inputs
+    assert counted[0] > counted[1] > counted[2] > 0, counted
     assert memory.book.MLP.forward is memory._MLP_FORWARD and memory.book.Block.forward is memory._BLOCK_FORWARD
