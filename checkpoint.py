@@ -31,7 +31,11 @@ import torch.distributed as dist
 from model import FAMILIES, GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
 LAYOUT_KEYS = ("tp", "pp", "zero1")  # the settings a set's files are cut by
-CHANGEABLE = ("dropout", "loss_chunk")  # model settings a resume may change (docs/RELIABILITY.md lists the run's)
+CHANGEABLE = (
+    "dropout",
+    "loss_chunk",
+    "recompute",
+)  # model settings a resume may change (docs/RELIABILITY.md lists the run's)
 
 
 def claim(out_dir, resume, overwrite, rank0):

@@ -29,7 +29,7 @@ import parallel
 import taco
 import taco_ext
 from data.loader import check_tokens, read_meta
-from model import FAMILIES, PARTS, ROPE_SCALINGS, GPTConfig
+from model import FAMILIES, PARTS, RECOMPUTE, ROPE_SCALINGS, GPTConfig
 
 
 @dataclass
@@ -62,6 +62,7 @@ class Settings:
     block_size: int = 64  # context length T in tokens
     dropout: float = 0.0  # in [0, 1)
     loss_chunk: int = 4096  # tokens per chunk of the fused LM head and loss (0: all at once)
+    recompute: str = ""  # "" | "mlp" (each MLP's fc and activation) | "block": recomputed in the backward, not kept
     norm: str | None = None  # a part (None: the family's): layernorm | rmsnorm
     positions: str | None = None  # a part: learned | rotary
     mlp: str | None = None  # a part: gelu | swiglu
@@ -168,6 +169,7 @@ CHOICES = {
     "positions": ("learned", "rotary"),
     "mlp": ("gelu", "swiglu"),
     "rope_scaling": ROPE_SCALINGS,
+    "recompute": RECOMPUTE,
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("auto", "float32", "bfloat16"),
     "schedule": parallel.SCHEDULES,
@@ -569,7 +571,7 @@ def take_init_from(cfg):
         mc = hf.model_config(folder)
     except (ValueError, OSError) as e:
         raise ConfigError(f"--init_from={folder}: {e}") from None
-    keep = ("block_size", "dropout", "loss_chunk")
+    keep = ("block_size", "dropout", "loss_chunk", "recompute")
     wrong = []
     for f in dataclasses.fields(GPTConfig):
         theirs, given = getattr(mc, f.name), f.name in getattr(cfg, "given", ()) and f.name not in keep

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.utils.checkpoint import checkpoint
 
 import parallel
 
@@ -56,6 +57,9 @@ FAMILIES = {
 }
 PARTS = [f.name for f in fields(Family) if f.name != "tokenizer"]
 ROPE_SCALINGS = ("", "llama3")
+# "mlp": each MLP's fc and activation (its widest tensors; the all-reduce after proj is not run again);
+# "block": every block whole (least memory; under TP its all-reduces run again in the backward)
+RECOMPUTE = ("", "mlp", "block")
 
 
 @dataclass
@@ -80,6 +84,7 @@ class GPTConfig:
     rope_original_positions: int = 8192  # llama3: the context the frequencies were made for
     tie_embeddings: bool = True  # the LM head's weight is the token embedding's
     loss_chunk: int = 4096  # tokens per chunk of the fused LM head and loss (0: all at once)
+    recompute: str = ""  # RECOMPUTE: what the backward recomputes instead of the forward keeping it
     # the parts (Family): None takes the family's
     norm: str = None
     positions: str = None
@@ -371,14 +376,18 @@ class MLP(nn.Module):
         self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections=sections)
         self.proj = RowParallelLinear(width, cfg.n_embd, comm, cfg.linear_bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.recompute = cfg.recompute == "mlp"
 
-    def forward(self, x):
+    def up(self, x):
         h = self.fc(x)  # (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    def forward(self, x):
+        # recomputed, the forward keeps x in place of fc's output: a (B, T, C) tensor for a (B, T, 2I/tp)
+        h = checkpoint(self.up, x, use_reentrant=False) if self.recompute and self.training else self.up(x)
         return self.drop(self.proj(h))  # (B, T, I/tp) -> (B, T, C)
 
 
@@ -389,8 +398,14 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, comm.at("attn"))
         self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg, comm.at("mlp"))
+        self.recompute = cfg.recompute == "block"
 
     def forward(self, x, rope=None):
+        if self.recompute and self.training:  # only x is kept; the backward runs this forward again
+            return checkpoint(self.layer, x, rope, use_reentrant=False)
+        return self.layer(x, rope)
+
+    def layer(self, x, rope):
         x = x + self.attn(self.ln_1(x), rope)
         return x + self.mlp(self.ln_2(x))
 

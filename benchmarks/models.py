@@ -139,7 +139,7 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
     import config as settings
     from model import GPT
 
-    cfg = settings.parse([config] + ([f"--batch_size={batch}"] if batch else []))
+    cfg = settings.parse([config, *extra] + ([f"--batch_size={batch}"] if batch else []))  # extra: ours only
     mc, dev = cfg.model_config(), torch.device("cuda")
     B, T = cfg.batch_size, cfg.block_size
     x, y = _batch(mc, B, T, dev)

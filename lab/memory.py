@@ -1,15 +1,13 @@
 """
 Where one training step's GPU memory goes (one GPU, TP=1, the loop of `bench.py hf`: fp32 weights
-under bf16 autocast, compiled, fused AdamW, clipping), and what recomputing activations in the
-backward would save and cost. Each variant is the book's model with one forward wrapped in
-torch.utils.checkpoint (patched here, the book unchanged):
+under bf16 autocast, compiled, fused AdamW, clipping), and what the book's `recompute` setting saves
+and costs:
 
-    as is        the book's model
-    mlp up       each MLP's fc and activation recomputed (the [gate|up] output is not kept; the
-                 all-reduce of its row-parallel proj stays outside, never run twice)
-    block        every block recomputed whole (full activation checkpointing: the floor)
+    ""       every activation kept for the backward
+    mlp      each MLP's fc and activation recomputed in the backward (its widest tensors)
+    block    every block recomputed whole (full activation checkpointing: the floor)
 
-    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants "as is,mlp up,block"]
+    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants ",mlp,block"]
     python -m lab.memory configs/qwen2_5_0_5b.py --cpu 512      # no GPU: what the forward keeps
 
 Per variant: the resident memory (weights, AdamW state), what the forward keeps for the backward
@@ -19,94 +17,57 @@ loss's head gradient, bf16 copies of weights): results/memory_<tag>_cpu.json.
 """
 
 import argparse
-import contextlib
+import dataclasses
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import config as settings
 import model as book
 from benchmarks.common import save, table
 from benchmarks.models import _batch
 
-VARIANTS = ("as is", "mlp up", "block")
-
-
-_NOTE = []  # while counting (kept_for_backward): what each checkpoint keeps to recompute from
-
-
-def _mlp_up(self, x):
-    _NOTE and _NOTE[0](x)
-
-    def up(x):
-        h = self.fc(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate="tanh")
-
-    return self.drop(self.proj(checkpoint(up, x, use_reentrant=False)))
-
-
-def _block(self, x, rope=None):
-    _NOTE and _NOTE[0](x)
-    return checkpoint(_BLOCK_FORWARD, self, x, rope, use_reentrant=False)
-
-
-_BLOCK_FORWARD, _MLP_FORWARD = book.Block.forward, book.MLP.forward
-
-
-@contextlib.contextmanager
-def variant(name):
-    """The book's model with `name`'s recomputation patched in, for the duration."""
-    book.MLP.forward = _mlp_up if name == "mlp up" else _MLP_FORWARD
-    book.Block.forward = _block if name == "block" else _BLOCK_FORWARD
-    try:
-        yield
-    finally:
-        book.MLP.forward, book.Block.forward = _MLP_FORWARD, _BLOCK_FORWARD
+VARIANTS = book.RECOMPUTE
 
 
 def measure(cfg, name, steps, warmup=4):
-    mc, dev = cfg.model_config(), torch.device("cuda")
+    """One row: cfg's model with recompute=name, compiled, on the GPU: its memory and ms/step."""
+    mc, dev = dataclasses.replace(cfg.model_config(), recompute=name), torch.device("cuda")
     x, y = _batch(mc, cfg.batch_size, cfg.block_size, dev)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    with variant(name):
-        model = book.GPT(mc, seed=0).to(dev)
-        run = torch.compile(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        kept = []
+    model = book.GPT(mc, seed=0).to(dev)
+    run = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    kept = []
 
-        def step(probe=False):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = run(x, y)[1]
-            if probe:
-                torch.cuda.synchronize()
-                kept.append(torch.cuda.memory_allocated())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+    def step(probe=False):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(x, y)[1]
+        if probe:
+            torch.cuda.synchronize()
+            kept.append(torch.cuda.memory_allocated())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
 
-        for _ in range(warmup):
-            step()
-        torch.cuda.synchronize()
-        resident = torch.cuda.memory_allocated() - base
-        torch.cuda.reset_peak_memory_stats()
-        step(probe=True)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            loss = step()
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) / steps * 1e3
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    step(probe=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / steps * 1e3
     row = {
-        "variant": name,
+        "recompute": name or "none",
         "ms/step": round(ms, 2),
         "resident GiB": round(resident / 2**30, 2),
         "kept for backward GiB": round((kept[0] - base - resident) / 2**30, 2),
@@ -118,25 +79,28 @@ def measure(cfg, name, steps, warmup=4):
 
 def kept_for_backward(mc, name, batch, seq):
     """Bytes one forward keeps for the backward, eager on the CPU under bf16 autocast: autograd's saved
-    tensors (each storage once, the weights left out) and what each checkpoint keeps to recompute
-    from. Compiled, the partitioner may keep less (it recomputes cheap pointwise results)."""
-    with variant(name):
-        model = book.GPT(mc, seed=0)
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        kept = {}
+    tensors (each storage once, the weights left out) and the inputs each checkpoint keeps to
+    recompute from. Compiled, the partitioner may keep less (it recomputes cheap pointwise results)."""
+    model = book.GPT(dataclasses.replace(mc, recompute=name), seed=0)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
 
-        def note(t):
-            if t.untyped_storage().data_ptr() not in weights:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
+    def note(t):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in weights:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
 
-        x = torch.randint(0, mc.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-        _NOTE.append(note)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t), torch.autocast("cpu", torch.bfloat16):
-                model(x, x)
-        finally:
-            _NOTE.clear()
+    def noted(fn, *args, **kw):  # a checkpoint keeps its inputs
+        [note(a) for a in args]
+        return checkpoint(fn, *args, **kw)
+
+    x = torch.randint(0, mc.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    checkpoint, book.checkpoint = book.checkpoint, noted
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+            model(x, x)
+    finally:
+        book.checkpoint = checkpoint
     return sum(kept.values())
 
 
@@ -144,7 +108,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="recompute settings, comma-separated")
     ap.add_argument(
         "--cpu", type=int, default=0, metavar="SEQ", help="no GPU: count what the forward keeps, at SEQ tokens"
     )
@@ -157,7 +121,7 @@ def main(argv=None):
         rows = []
         for v in names:
             one, two = (kept_for_backward(mc, v, b, a.cpu) for b in (1, 2))
-            rows.append({"variant": v, f"GiB per {a.cpu}-token sequence": round((two - one) / 2**30, 3),
+            rows.append({"recompute": v or "none", f"GiB per {a.cpu}-token sequence": round((two - one) / 2**30, 3),
                          "GiB fixed": round((2 * one - two) / 2**30, 3)})  # fmt: skip
         save(f"memory_{tag}_cpu", rows, config=a.config, extra=a.extra, seq=a.cpu, note=kept_for_backward.__doc__)
         table(rows, list(rows[0]))
@@ -167,7 +131,7 @@ def main(argv=None):
     for r in rows:
         r["vs first"] = f"{base / r['ms/step']:.3f}x"
     save(f"memory_{tag}", rows, config=a.config, extra=a.extra, batch=cfg.batch_size, seq=cfg.block_size)
-    table(rows, ["variant", "ms/step", "vs first", "resident GiB", "kept for backward GiB", "peak GiB", "loss"])
+    table(rows, ["recompute", "ms/step", "vs first", "resident GiB", "kept for backward GiB", "peak GiB", "loss"])
 
 
 if __name__ == "__main__":

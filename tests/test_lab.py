@@ -470,26 +470,23 @@ def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
-def test_memorys_recompute_variants_are_the_same_model(family):
-    """lab.memory's variants recompute activations in the backward: the loss and every gradient are
-    those of the book's model, bit for bit (fp32, CPU), and the book's forwards come back after."""
+def test_recompute_keeps_less_for_the_backward(family):
+    """What a forward keeps for the backward, counted two ways: autograd's saved tensors alone (a hook
+    here) and lab.memory's count (also the inputs each checkpoint keeps); both fall with recompute=mlp
+    and again with block (that the results are the same: tests/test_parallel.py)."""
+    import dataclasses
+
     from lab import memory
-    from model import GPT, GPTConfig
+    from model import GPT, RECOMPUTE, GPTConfig
 
     mc = GPTConfig(family=family, vocab_size=96, n_layer=2, n_head=2, n_embd=16, block_size=16)
     x = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
-    grads, kept = {}, {}
-    for name in memory.VARIANTS:
-        saved = []
-        with memory.variant(name):
-            model = GPT(mc, seed=0)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-                loss = model(x, x)[1]
-            loss.backward()
-        grads[name], kept[name] = [loss.detach()] + [p.grad for p in model.parameters()], sum(saved)
-    for name in memory.VARIANTS[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(grads["as is"], grads[name])), name
-    assert kept["as is"] > kept["mlp up"] > kept["block"], kept  # the forward keeps less for the backward
-    counted = [memory.kept_for_backward(mc, name, 2, 16) for name in memory.VARIANTS]  # also the checkpoints' inputs
+    saved = {}
+    for r in RECOMPUTE:
+        model, sizes = GPT(dataclasses.replace(mc, recompute=r), seed=0), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            model(x, x)[1].backward()
+        saved[r] = sum(sizes)
+    assert saved[""] > saved["mlp"] > saved["block"], saved
+    counted = [memory.kept_for_backward(mc, r, 2, 16) for r in RECOMPUTE]
     assert counted[0] > counted[1] > counted[2] > 0, counted
-    assert memory.book.MLP.forward is memory._MLP_FORWARD and memory.book.Block.forward is memory._BLOCK_FORWARD

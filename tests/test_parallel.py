@@ -288,6 +288,36 @@ def test_model_tp_matches_single_rank(tp, family):
             torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _recomputed(rank, world):
+    """Losses and first gradients of a few steps with each `recompute`, at TP=world with hint8 on every
+    all-reduce (Qwen2 also with sequence parallelism), and at TP=1 with dropout."""
+    import dataclasses
+
+    out = {}
+    for name, cfg, kw in (
+        ("gpt2", CFG, dict(fwd_codec="hint8", bwd_codec="hint8")),
+        ("qwen2 sp", QWEN, dict(fwd_codec="hint8", bwd_codec="hint8", sp=True)),
+        ("dropout tp1", dataclasses.replace(CFG, dropout=0.2), None),
+    ):
+        for r in model.RECOMPUTE:
+            comm = comm_for(rank, world, **kw) if kw is not None else None
+            torch.manual_seed(5)  # dropout's masks: the recomputation must draw the same
+            m = GPT(dataclasses.replace(cfg, recompute=r), comm, seed=3)
+            out[name, r] = _train_steps(m, steps=3, sp_grads=m.comm if kw and kw.get("sp") else None)
+    return out
+
+
+def test_recompute_changes_nothing_but_memory():
+    """recompute=mlp | block: the same losses and gradients bit for bit as keeping every activation,
+    through compressed all-reduces run again in the backward and dropout's masks drawn again."""
+    for out in run_ranks(_recomputed, 2):
+        for name in ("gpt2", "qwen2 sp", "dropout tp1"):
+            losses, grads = out[name, ""]
+            for r in model.RECOMPUTE[1:]:
+                assert out[name, r][0] == losses, (name, r)
+                assert all(torch.equal(g, out[name, r][1][n]) for n, g in grads.items()), (name, r)
+
+
 def _embedding_outputs(rank, world):
     """Rank 0's embedding output (the all-reduced lookup) with hint8 everywhere, with the embedding's
     all-reduce left uncompressed, and with nothing compressed."""
