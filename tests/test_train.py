@@ -258,6 +258,25 @@ def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     run(args + [f"--out_dir={tmp_path}/eager"], nproc=2)
     run(args + ["--compile=True", f"--out_dir={tmp_path}/compiled"], nproc=2)
     assert losses(str(tmp_path / "compiled"))[0] == pytest.approx(losses(str(tmp_path / "eager"))[0], rel=1e-5)
+    run(args + ["--compile=True", "--recompute=mlp", f"--out_dir={tmp_path}/recomputed"], nproc=2)
+    assert losses(str(tmp_path / "recomputed"))[0] == pytest.approx(losses(str(tmp_path / "eager"))[0], rel=1e-5)
+
+
+def test_recompute_through_train_py_changes_no_loss(tmp_path):
+    """train.py with recompute=block at TP=2 x PP=2 (hint8 all-reduces run again in the backward, the
+    stages' blocks recomputed): the losses of the run that keeps every activation, bit for bit."""
+    args = TINY + [
+        "--tp=2",
+        "--pp=2",
+        "--max_iters=3",
+        "--eval_interval=0",
+        "--family=qwen2",
+        "--tokenizer=gpt2",
+        "--dropout=0.1",
+    ]
+    run(args + [f"--out_dir={tmp_path}/kept"], nproc=4)
+    run(args + ["--recompute=block", f"--out_dir={tmp_path}/recomputed"], nproc=4)
+    assert losses(str(tmp_path / "recomputed"))[0] == losses(str(tmp_path / "kept"))[0]
 
 
 @pytest.mark.parametrize(
