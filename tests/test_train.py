@@ -265,15 +265,7 @@ def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
 def test_recompute_through_train_py_changes_no_loss(tmp_path):
     """train.py with recompute=block at TP=2 x PP=2 (hint8 all-reduces run again in the backward, the
     stages' blocks recomputed): the losses of the run that keeps every activation, bit for bit."""
-    args = TINY + [
-        "--tp=2",
-        "--pp=2",
-        "--max_iters=3",
-        "--eval_interval=0",
-        "--family=qwen2",
-        "--tokenizer=gpt2",
-        "--dropout=0.1",
-    ]
+    args = TINY + "--tp=2 --pp=2 --max_iters=3 --eval_interval=0 --family=qwen2 --tokenizer=gpt2 --dropout=0.1".split()
     run(args + [f"--out_dir={tmp_path}/kept"], nproc=4)
     run(args + ["--recompute=block", f"--out_dir={tmp_path}/recomputed"], nproc=4)
     assert losses(str(tmp_path / "recomputed"))[0] == losses(str(tmp_path / "kept"))[0]
