@@ -180,8 +180,13 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
         twice = {"ours": lambda m: m(x2, y2)[1], "transformers": lambda m: m(input_ids=x2, labels=x2).loss}
         for name, model in models.items():
             other = sum(r["resident"] for n, r in runs.items() if n != name)
-            peak2 = _peak_at(_trainer(model, twice[name], opt=runs[name]["step"].opt), 2) - other / 2**30
-            next(r for r in rows if r["model"] == name)["peak GiB at 2x batch"] = round(peak2, 2)
+            row = next(r for r in rows if r["model"] == name)
+            try:
+                peak2 = _peak_at(_trainer(model, twice[name], opt=runs[name]["step"].opt), 2) - other / 2**30
+                row["peak GiB at 2x batch"] = round(peak2, 2)
+            except torch.OutOfMemoryError:  # twice the batch does not fit beside the other model: no line
+                row["note"] = "out of memory at twice the batch"
+                torch.cuda.empty_cache()
     del models, runs
     torch.cuda.empty_cache()
     if liger and mc.family != "gpt2":
