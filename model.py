@@ -57,8 +57,8 @@ FAMILIES = {
 }
 PARTS = [f.name for f in fields(Family) if f.name != "tokenizer"]
 ROPE_SCALINGS = ("", "llama3")
-# "mlp": each MLP's fc and activation (its widest tensors; the all-reduce after proj is not run again);
-# "block": every block whole (least memory; under TP its all-reduces run again in the backward)
+# "mlp": each MLP's fc and activation (its widest tensors; no all-reduce runs again, but sequence parallelism's
+# all-gather before fc does); "block": every block whole (least memory; under TP its all-reduces run again)
 RECOMPUTE = ("", "mlp", "block")
 
 
@@ -386,7 +386,8 @@ class MLP(nn.Module):
         return F.gelu(h, approximate="tanh")
 
     def forward(self, x):
-        # recomputed, the forward keeps x in place of fc's output: a (B, T, C) tensor for a (B, T, 2I/tp)
+        # recomputed, the forward keeps x (B, T, C) instead of fc's output (B, T, 2I/tp with SwiGLU) and what the
+        # activation saves; proj still keeps h
         h = checkpoint(self.up, x, use_reentrant=False) if self.recompute and self.training else self.up(x)
         return self.drop(self.proj(h))  # (B, T, I/tp) -> (B, T, C)
 
