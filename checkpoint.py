@@ -31,11 +31,8 @@ import torch.distributed as dist
 from model import FAMILIES, GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
 LAYOUT_KEYS = ("tp", "pp", "zero1")  # the settings a set's files are cut by
-CHANGEABLE = (
-    "dropout",
-    "loss_chunk",
-    "recompute",
-)  # model settings a resume may change (docs/RELIABILITY.md lists the run's)
+# model settings a resume may change: how the loss and the backward are computed, not what (RELIABILITY.md lists the run's)
+CHANGEABLE = ("dropout", "loss_chunk", "recompute")
 
 
 def claim(out_dir, resume, overwrite, rank0):

@@ -66,8 +66,8 @@ class Output:
             if record is not None:
                 self.jlog.write(json.dumps(record) + "\n")
                 self.jlog.flush()
-            if record is not None and self.tb is not None:
-                self.scalars(record)
+                if self.tb is not None:
+                    self.scalars(record)
 
     def scalars(self, record):
         """A record's numbers as TensorBoard scalars at its step: val/ for an evaluation, train/ else."""
