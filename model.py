@@ -262,21 +262,27 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for a in range(0, N, chunk or N):
             b = min(a + (chunk or N), N)
             z = (h[a:b] @ w.t()).float()  # (n, V/tp): this chunk's logits
-            z[:, n_real:] = -torch.inf
+            if n_real < w.shape[0]:
+                z[:, n_real:] = -torch.inf  # the vocabulary's padding
             m = z.max(dim=-1).values
             if comm.size > 1:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=comm.group)
-            e = (z - m[:, None]).exp_()
-            stats = torch.stack((e.sum(dim=-1), torch.where(mine[a:b], z.gather(1, local[a:b, None])[:, 0], 0.0)))
+            sum_exp = (z - m[:, None]).exp_().sum(dim=-1)
+            stats = torch.stack((sum_exp, torch.where(mine[a:b], z.gather(1, local[a:b, None])[:, 0], 0.0)))
             if comm.size > 1:
                 dist.all_reduce(stats, group=comm.group)  # sum of exp over the vocabulary, target logit
-            total += ((m + stats[0].log() - stats[1]) * valid[a:b]).sum()
+            lse = m + stats[0].log()  # log sum_j exp z_j
+            total += ((lse - stats[1]) * valid[a:b]).sum()
             if grads:
-                dz = e.div_(stats[0][:, None])  # softmax, in the exp's buffer
-                dz.scatter_add_(1, local[a:b, None], -mine[a:b, None].float())
-                dz = dz.mul_((valid[a:b] / n_valid)[:, None]).to(h.dtype)
-                grad_h[a:b] = dz @ w  # (n, C): a partial sum over TP ranks
+                # dz = softmax(z) s - onehot s with s = valid / n_valid. The softmax part is made in z's buffer as
+                # exp(z - lse), a pointwise function of z (compiled: one pass over the logits, nothing (n, V) in
+                # fp32 kept); the one-hot's part of dz A and dz^T h is a row of A or h, taken apart
+                s = valid[a:b] / n_valid
+                dz = z.sub_(lse[:, None]).exp_().mul_(s[:, None]).to(h.dtype)
+                one = (s * mine[a:b])[:, None]  # the one-hot's weight: 0 where another rank owns the target
+                grad_h[a:b] = dz @ w - one * w[local[a:b]]  # (n, C): a partial sum over TP ranks
                 grad_w += (dz.t() @ h[a:b]).float()  # (V/tp, C)
+                grad_w.index_add_(0, local[a:b], -one * h[a:b].float())
         if grads:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
         return total / n_valid
