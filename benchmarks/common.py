@@ -2,6 +2,7 @@
 printed table, CUDA and host timing, and a kernel timeline read by kind."""
 
 import gzip
+import importlib.metadata
 import json
 import os
 import platform
@@ -31,6 +32,9 @@ def environment():
         "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),
     }
+    for pkg in ("transformers", "liger_kernel"):  # the peers' versions, where this process loaded them
+        if pkg in sys.modules:
+            env[pkg] = importlib.metadata.version(pkg.replace("_", "-"))
     if torch.cuda.is_available():
         env.update(
             gpu=torch.cuda.get_device_name(),

@@ -1,6 +1,7 @@
 """One GPU, TP=1: our model against transformers' of the same family and shape (hf), and train.py
 against nanoGPT's bench loop (peer)."""
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -87,6 +88,7 @@ def liger_rows(config, batch, steps, warmup, compile, fit):
         import liger_kernel.transformers as liger
 
         getattr(liger, f"apply_liger_kernel_to_{hf_family(mc)}")()
+        versions = {p: importlib.metadata.version(p) for p in ("transformers", "liger-kernel")}
     except (ImportError, AttributeError) as e:
         return [{"model": label, "note": f"not run: {type(e).__name__}: {e}"}]
     try:
@@ -101,7 +103,7 @@ def liger_rows(config, batch, steps, warmup, compile, fit):
             torch.cuda.reset_peak_memory_stats()
             ms, loss, peak = _timed(step, steps)
             rows.append({"model": label, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
-                         "peak GiB": round(peak, 2), "loss": round(loss, 4)})  # fmt: skip
+                         "peak GiB": round(peak, 2), "loss": round(loss, 4), "versions": versions})  # fmt: skip
         if fit:
             x2, _ = _batch(mc, 2 * B, T, dev)
             step2 = _trainer(model, lambda m: m(input_ids=x2, labels=x2).loss, compile, step.opt)
