@@ -172,6 +172,31 @@ def test_the_models_fused_loss_equals_its_logits_through_cross_entropy(tied):
     assert logits.shape[-1] == 256 and head[200:].abs().max() == 0 and head[:200].abs().max() > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_loss_in_bf16_on_a_gpu_is_the_unfused_within_bf16s_tolerance(compiled):
+    """On a GPU in bf16 (as under autocast): the fused loss and its gradients, eager and compiled, against
+    the whole logits' fp32 cross-entropy: 4,096 tokens in chunks of 1,000, 50,257 real columns of 50,304,
+    every 7th target ignored; the padding gets no gradient."""
+    dev, N, C, V, real = torch.device("cuda"), 4096, 256, 50304, 50257
+    g = torch.Generator(dev).manual_seed(0)
+    h = torch.randn(N, C, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, C, device=dev, generator=g) * 0.05).requires_grad_()
+    t = torch.randint(0, real, (N,), device=dev, generator=g)
+    t[::7] = -1
+    fn = lambda h, w: model.FusedLinearCrossEntropy.apply(h, w, t, parallel.TPComm(), real, 1000, True)
+    loss = (torch.compile(fn) if compiled else fn)(h, w)
+    loss.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy((h2 @ w2.bfloat16().t())[:, :real].float(), t, ignore_index=-1)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-3 * ref.item(), (loss.item(), ref.item())
+    for name, a, b in (("grad_h", h.grad, h2.grad), ("grad_A", w.grad, w2.grad)):
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < 1e-2, (name, err)
+    assert w.grad[real:].abs().max() == 0
+
+
 # --- the whole model: TP=N vs TP=1 -----------------------------------------------------------------
 
 CFG = GPTConfig(
