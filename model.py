@@ -443,6 +443,10 @@ class GPT(nn.Module):
         if self.first:
             self.wpe = nn.Embedding(c.block_size, c.n_embd) if c.positions == "learned" else None
             self.drop = nn.Dropout(c.dropout)
+        if c.positions == "rotary":  # made once: compiled, each block then reads a table instead of computing cos, sin
+            cos, sin = rotary(c.block_size, c, "cpu")
+            self.register_buffer("rope_cos", cos, persistent=False)  # not in the state dict: a function of the config
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.h = nn.ModuleList([Block(c, self.comm) for _ in self.layers])
         if self.last:
             self.ln_f = norm(c)
@@ -503,7 +507,8 @@ class GPT(nn.Module):
             x = self.drop(x)
         else:
             x = hidden
-        rope = rotary(x.shape[1] * sp, c, x.device) if c.positions == "rotary" else None
+        T = x.shape[1] * sp
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if c.positions == "rotary" else None
         for block in self.h:
             x = block(x, rope)
         if not self.last:
