@@ -7,7 +7,7 @@ and costs:
     mlp      each MLP's fc and activation recomputed in the backward (its widest tensors)
     block    every block recomputed whole (full activation checkpointing: the floor)
 
-    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants ",mlp,block"]
+    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants ",mlp,block"] [--budgets 1,0.5]
     python -m lab.memory configs/qwen2_5_0_5b.py --cpu 512      # no GPU: what the forward keeps
 
 Per variant: the resident memory (weights, AdamW state), what the forward keeps for the backward
@@ -30,8 +30,10 @@ from benchmarks.models import _batch
 VARIANTS = book.RECOMPUTE
 
 
-def measure(cfg, name, steps, warmup=4):
-    """One row: cfg's model with recompute=name, compiled, on the GPU: its memory and ms/step."""
+def measure(cfg, name, steps, warmup=4, budget=1.0):
+    """One row: cfg's model with recompute=name, compiled, on the GPU: its memory and ms/step. budget < 1:
+    torch.compile's activation memory budget (the partitioner then recomputes what its solver picks, the
+    cheapest first, to keep about that fraction of the activations it would save)."""
     mc, dev = dataclasses.replace(cfg.model_config(), recompute=name), torch.device("cuda")
     x, y = _batch(mc, cfg.batch_size, cfg.block_size, dev)
     torch.cuda.empty_cache()
@@ -53,8 +55,9 @@ def measure(cfg, name, steps, warmup=4):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(warmup):
-        step()
+    with torch._functorch.config.patch(activation_memory_budget=budget):  # read when the step compiles
+        for _ in range(warmup):
+            step()
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
@@ -68,6 +71,7 @@ def measure(cfg, name, steps, warmup=4):
     ms = (time.perf_counter() - t0) / steps * 1e3
     row = {
         "recompute": name or "none",
+        "memory budget": budget,
         "ms/step": round(ms, 2),
         "resident GiB": round(resident / 2**30, 2),
         "kept for backward GiB": round((kept[0] - base - resident) / 2**30, 2),
@@ -109,6 +113,7 @@ def main(argv=None):
     ap.add_argument("config")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--variants", default=",".join(VARIANTS), help="recompute settings, comma-separated")
+    ap.add_argument("--budgets", default="1", help="torch.compile activation memory budgets, comma-separated")
     ap.add_argument(
         "--cpu", type=int, default=0, metavar="SEQ", help="no GPU: count what the forward keeps, at SEQ tokens"
     )
@@ -126,12 +131,13 @@ def main(argv=None):
         save(f"memory_{tag}_cpu", rows, config=a.config, extra=a.extra, seq=a.cpu, note=kept_for_backward.__doc__)
         table(rows, list(rows[0]))
         return
-    rows = [measure(cfg, v, a.steps) for v in names]
+    rows = [measure(cfg, v, a.steps, budget=float(b)) for v in names for b in a.budgets.split(",")]
     base = rows[0]["ms/step"]
     for r in rows:
         r["vs first"] = f"{base / r['ms/step']:.3f}x"
     save(f"memory_{tag}", rows, config=a.config, extra=a.extra, batch=cfg.batch_size, seq=cfg.block_size)
-    table(rows, ["recompute", "ms/step", "vs first", "resident GiB", "kept for backward GiB", "peak GiB", "loss"])
+    cols = ["recompute", "memory budget", "ms/step", "vs first", "resident GiB", "kept for backward GiB", "peak GiB"]
+    table(rows, cols + ["loss"])
 
 
 if __name__ == "__main__":
