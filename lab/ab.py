@@ -29,6 +29,7 @@ from benchmarks.models import _batch, _timed, _trainer
 def load(path):
     spec = importlib.util.spec_from_file_location("model_before", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # torch.compile looks the module's globals up by its name
     spec.loader.exec_module(mod)
     return mod
 

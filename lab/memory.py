@@ -35,6 +35,7 @@ def measure(cfg, name, steps, warmup=4, budget=1.0):
     torch.compile's activation memory budget (the partitioner then recomputes what its solver picks, the
     cheapest first, to keep about that fraction of the activations it would save)."""
     mc, dev = dataclasses.replace(cfg.model_config(), recompute=name), torch.device("cuda")
+    torch._dynamo.reset()  # else a new model of the same class reuses the last row's compiled graph and its budget
     x, y = _batch(mc, cfg.batch_size, cfg.block_size, dev)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
