@@ -62,7 +62,7 @@ class Settings:
     block_size: int = 64  # context length T in tokens
     dropout: float = 0.0  # in [0, 1)
     loss_chunk: int = 4096  # tokens per chunk of the fused LM head and loss (0: all at once)
-    recompute: str = ""  # "" | "mlp" (each MLP's fc and activation) | "block": recomputed in the backward, not kept
+    recompute: str = ""  # "" | "pointwise" (norms, activation) | "mlp" (fc too) | "block": redone in the backward
     norm: str | None = None  # a part (None: the family's): layernorm | rmsnorm
     positions: str | None = None  # a part: learned | rotary
     mlp: str | None = None  # a part: gelu | swiglu

@@ -57,9 +57,11 @@ FAMILIES = {
 }
 PARTS = [f.name for f in fields(Family) if f.name != "tokenizer"]
 ROPE_SCALINGS = ("", "llama3")
-# "mlp": each MLP's fc and activation (its widest tensors; no all-reduce runs again, but sequence parallelism's
-# all-gather before fc does); "block": every block whole (least memory; under TP its all-reduces run again)
-RECOMPUTE = ("", "mlp", "block")
+# "pointwise": the norms' outputs and the MLP's activation, cheap elementwise passes that torch.compile keeps by
+# default because a matmul of the backward reads them; "mlp": each MLP's fc and activation (its widest tensors; no
+# all-reduce runs again, but sequence parallelism's all-gather before fc does); "block": every block whole (least
+# memory; under TP its all-reduces run again)
+RECOMPUTE = ("", "pointwise", "mlp", "block")
 
 
 @dataclass
@@ -382,19 +384,26 @@ class MLP(nn.Module):
         self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections=sections)
         self.proj = RowParallelLinear(width, cfg.n_embd, comm, cfg.linear_bias)
         self.drop = nn.Dropout(cfg.dropout)
-        self.recompute = cfg.recompute == "mlp"
+        self.recompute = cfg.recompute if cfg.recompute in ("pointwise", "mlp") else ""
 
-    def up(self, x):
-        h = self.fc(x)  # (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
+    def act(self, h):  # h: (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
 
+    def up(self, x):
+        return self.act(self.fc(x))
+
     def forward(self, x):
-        # recomputed, the forward keeps x (B, T, C) instead of fc's output (B, T, 2I/tp with SwiGLU) and what the
-        # activation saves; proj still keeps h
-        h = checkpoint(self.up, x, use_reentrant=False) if self.recompute and self.training else self.up(x)
+        # mlp: the forward keeps x (B, T, C) instead of fc's output (B, T, 2I/tp with SwiGLU) and what the activation
+        # saves, proj still keeps h; pointwise: it keeps fc's output, and proj's weight gradient reads h made again
+        if self.recompute == "mlp" and self.training:
+            h = checkpoint(self.up, x, use_reentrant=False)
+        elif self.recompute == "pointwise" and self.training:
+            h = checkpoint(self.act, self.fc(x), use_reentrant=False)
+        else:
+            h = self.up(x)
         return self.drop(self.proj(h))  # (B, T, I/tp) -> (B, T, C)
 
 
@@ -405,16 +414,22 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, comm.at("attn"))
         self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg, comm.at("mlp"))
-        self.recompute = cfg.recompute == "block"
+        self.recompute = cfg.recompute
 
     def forward(self, x, rope=None):
-        if self.recompute and self.training:  # only x is kept; the backward runs this forward again
+        if self.recompute == "block" and self.training:  # only x is kept; the backward runs this forward again
             return checkpoint(self.layer, x, rope, use_reentrant=False)
         return self.layer(x, rope)
 
     def layer(self, x, rope):
-        x = x + self.attn(self.ln_1(x), rope)
-        return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.normed(self.ln_1, x), rope)
+        return x + self.mlp(self.normed(self.ln_2, x))
+
+    def normed(self, ln, x):
+        """ln(x) as the next matmul reads it (bf16 under autocast); recompute=pointwise: made again in the
+        backward from x, which the residual stream keeps anyway, instead of kept beside it."""
+        n = lambda t: autocast_input(ln(t))
+        return checkpoint(n, x, use_reentrant=False) if self.recompute == "pointwise" and self.training else n(x)
 
 
 # -----------------------------------------------------------------------------

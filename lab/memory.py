@@ -3,11 +3,12 @@ Where one training step's GPU memory goes (one GPU, TP=1, the loop of `bench.py 
 under bf16 autocast, compiled, fused AdamW, clipping), and what the book's `recompute` setting saves
 and costs:
 
-    ""       every activation kept for the backward
-    mlp      each MLP's fc and activation recomputed in the backward (its widest tensors)
-    block    every block recomputed whole (full activation checkpointing: the floor)
+    ""         every activation kept for the backward
+    pointwise  the norms' outputs and the MLP's activation recomputed (elementwise passes a matmul reads)
+    mlp        each MLP's fc and activation recomputed in the backward (its widest tensors)
+    block      every block recomputed whole (full activation checkpointing: the floor)
 
-    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants ",mlp,block"] [--budgets 1,0.5]
+    python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants ",mlp,block"] [--budgets 1,0.5] [-- --key=value]
     python -m lab.memory configs/qwen2_5_0_5b.py --cpu 512      # no GPU: what the forward keeps
 
 Per variant: the resident memory (weights, AdamW state), what the forward keeps for the backward

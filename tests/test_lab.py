@@ -472,8 +472,8 @@ def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_recompute_keeps_less_for_the_backward(family):
     """What a forward keeps for the backward, counted two ways: autograd's saved tensors alone (a hook
-    here) and lab.memory's count (also the inputs each checkpoint keeps); both fall with recompute=mlp
-    and again with block (that the results are the same: tests/test_parallel.py)."""
+    here) and lab.memory's count (also the inputs each checkpoint keeps); both fall with recompute=pointwise,
+    with mlp and again with block (that the results are the same: tests/test_parallel.py)."""
     import dataclasses
 
     from lab import memory
@@ -487,6 +487,6 @@ def test_recompute_keeps_less_for_the_backward(family):
         with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
             model(x, x)[1].backward()
         saved[r] = sum(sizes)
-    assert saved[""] > saved["mlp"] > saved["block"], saved
-    counted = [memory.kept_for_backward(mc, r, 2, 16) for r in RECOMPUTE]
-    assert counted[0] > counted[1] > counted[2] > 0, counted
+    assert saved[""] > saved["pointwise"] and saved[""] > saved["mlp"] > saved["block"], saved
+    counted = dict(zip(RECOMPUTE, (memory.kept_for_backward(mc, r, 2, 16) for r in RECOMPUTE)))
+    assert counted[""] > counted["pointwise"] and counted[""] > counted["mlp"] > counted["block"] > 0, counted

@@ -333,7 +333,7 @@ def _recomputed(rank, world):
 
 
 def test_recompute_changes_nothing_but_memory():
-    """recompute=mlp | block: the same losses and gradients bit for bit as keeping every activation,
+    """recompute=pointwise | mlp | block: the same losses and gradients bit for bit as keeping every activation,
     through compressed all-reduces run again in the backward and dropout's masks drawn again."""
     for out in run_ranks(_recomputed, 2):
         for name in ("gpt2", "qwen2 sp", "dropout tp1"):
