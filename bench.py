@@ -50,7 +50,8 @@ def main(argv):
     f.add_argument("--batch", type=int, default=0, help="sequences per step (0: the config's batch_size)")
     f.add_argument("--tag", default="hf", help="results/hf_<tag>.json")
     f.add_argument("--no_liger", action="store_true", help="leave out the transformers + Liger rows")
-    f.add_argument("--fit", type=float, default=0.0, help="GiB: the largest batch under it, from the peaks at 1x, 2x")
+    f.add_argument("--variants", default="", help="comma-separated rows of ours more, each k=v[/k=v] settings")
+    f.add_argument("--fit", type=float, default=0.0, help="GiB: the largest batch under it, from the peaks at 1/2x, 1x")
     pe = sub.add_parser("peer", help="GPU: train.py at TP=1 vs nanoGPT's bench loop, same shapes, one invocation")
     pe.add_argument("--nanogpt", required=True, help="a nanoGPT folder holding bench_peer.py, or the folder above it")
     pe.add_argument("--shapes", default=",".join(PEER_SHAPES), help="of " + ", ".join(PEER_SHAPES))
@@ -83,7 +84,16 @@ def main(argv):
     elif a.what == "collective":
         bench_collective(tag=a.tag)
     elif a.what == "hf":
-        bench_hf(a.config, a.steps, batch=a.batch, tag=a.tag, liger=not a.no_liger, fit=a.fit, extra=train_args)
+        bench_hf(
+            a.config,
+            a.steps,
+            batch=a.batch,
+            tag=a.tag,
+            liger=not a.no_liger,
+            fit=a.fit,
+            extra=train_args,
+            variants=tuple(v for v in a.variants.split(",") if v),
+        )
     else:
         bench_e2e(a.config, a.entries.split(","), a.nproc, train_args, a.tag)
 

@@ -61,6 +61,14 @@ def _timed(step, steps):
     return (time.perf_counter() - t0) / steps * 1e3, loss.item(), torch.cuda.max_memory_allocated() / 2**30
 
 
+def _resident(model, opt):
+    """Bytes a trainer holds between steps: its weights, buffers and optimizer state (the gradients are
+    set to None)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
+
+
 def _peak_at(step, warmup):
     """The peak GiB of a few steps of a trainer (compiled for this shape on its first step)."""
     for _ in range(warmup):
@@ -75,7 +83,7 @@ def _peak_at(step, warmup):
 def liger_rows(config, batch, steps, warmup, compile, fit):
     """transformers with Liger Kernel's patches (fused linear cross-entropy, RMSNorm, SwiGLU, RoPE) of our
     config's family, in this process alone (the patch replaces transformers' classes for the process):
-    its row, or why there is none. fit (GiB): also its peak at twice the batch."""
+    its row, or why there is none. fit (GiB): also its peak at half the batch."""
     import config as settings
 
     cfg = settings.parse([config] + ([f"--batch_size={batch}"] if batch else []))
@@ -105,9 +113,9 @@ def liger_rows(config, batch, steps, warmup, compile, fit):
             rows.append({"model": label, "ms/step": round(ms, 2), "tok/s": round(B * T / ms * 1e3),
                          "peak GiB": round(peak, 2), "loss": round(loss, 4), "versions": versions})  # fmt: skip
         if fit:
-            x2, _ = _batch(mc, 2 * B, T, dev)
+            x2, _ = _batch(mc, B // 2, T, dev)
             step2 = _trainer(model, lambda m: m(input_ids=x2, labels=x2).loss, compile, step.opt)
-            rows[0]["peak GiB at 2x batch"] = round(_peak_at(step2, 2), 2)
+            rows[0]["peak GiB at half the batch"] = round(_peak_at(step2, 2), 2)
         return rows
     except Exception as e:  # a crash is a result too: say what failed
         return [{"model": label, "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}]
@@ -129,15 +137,19 @@ def _liger_in_a_process(config, batch, steps, warmup, compile, fit):
     return rows or [{"model": "transformers + Liger", "note": f"process failed (rc {p.returncode}): {tail[0][:200]}"}]
 
 
-def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0, extra=()):
+def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0, extra=(), variants=()):
     """Our model, built from `config`'s settings at TP=1, against transformers' model of the same family
     and shape, on one GPU in one invocation, with the same loop: fp32 weights under bf16 autocast,
-    torch.compile, fused AdamW, gradient clipping at 1.0, the same random batch. Both stay resident;
+    torch.compile, fused AdamW, gradient clipping at 1.0, the same random batch. All stay resident;
     each is timed twice in the order ours, theirs, theirs, ours, so the noise shows. Peak memory is a
-    block's peak less the other model's resident weights and optimizer state. Then transformers with
+    block's peak above what was allocated before it, plus the model's own weights, buffers and
+    optimizer state: its peak as if alone. variants ("k=v/k=v": our
+    settings): more rows of ours, resident beside the others, timed in the same mirrored order (ours,
+    each variant, theirs, theirs, each variant backwards, ours). Then transformers with
     Liger Kernel's patches, eager and compiled, each in a process of its own (timed twice there), where
-    liger-kernel is importable. fit (GiB, e.g. 80: an H100): every trainer's peak also at twice the
-    batch, and the largest batch whose peak the two points put under fit GiB (a straight line)."""
+    liger-kernel is importable. fit (GiB, e.g. 80: an H100): every trainer's peak also at half the
+    batch, and the largest batch whose peak the two points put under fit GiB (a straight line: an
+    estimate, not a run at that batch)."""
     import config as settings
     from model import GPT
 
@@ -145,26 +157,30 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
     mc, dev = cfg.model_config(), torch.device("cuda")
     B, T = cfg.batch_size, cfg.block_size
     x, y = _batch(mc, B, T, dev)
-    losses = {
-        "ours": lambda m: m(x, y)[1],  # next-token loss on T positions
-        "transformers": lambda m: m(input_ids=x, labels=x).loss,
-    }  # HF shifts: T - 1 positions
-    models, runs = {"ours": GPT(mc, seed=0).to(dev), "transformers": _hf_model(mc, dev)}, {}
+    ours = {"ours": mc} | {
+        f"ours {v}": settings.parse([config, *extra, *(f"--{kv}" for kv in v.split("/"))]).model_config()
+        for v in variants
+    }
+    loss_of = lambda name, x, y: (
+        (lambda m: m(x, y)[1]) if name != "transformers" else (lambda m: m(input_ids=x, labels=x).loss)
+    )  # ours: the next-token loss on T positions; HF shifts: T - 1 positions
+    models = {n: GPT(c, seed=0).to(dev) for n, c in ours.items()} | {"transformers": _hf_model(mc, dev)}
+    runs = {}
     for name, model in models.items():
-        step = _trainer(model, losses[name])
+        step = _trainer(model, loss_of(name, x, y))
         for _ in range(warmup):  # compiles, and fills AdamW's state
             step()
         torch.cuda.synchronize()
         runs[name] = {
             "step": step,
-            "resident": torch.cuda.memory_allocated() - sum(r["resident"] for r in runs.values()),
+            "resident": _resident(model, step.opt),
             "params": sum(p.numel() for p in model.parameters()),
         }
     flops = (6 * mc.num_params() + 12 * mc.n_layer * mc.n_embd * T) * B * T
     rows = []
-    for name in ("ours", "transformers", "transformers", "ours"):
-        other = sum(r["resident"] for n, r in runs.items() if n != name)
+    for name in [*ours, "transformers", "transformers", *reversed(ours)]:
         torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
         ms, loss, peak = _timed(runs[name]["step"], steps)
         rows.append(
             {
@@ -172,22 +188,22 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
                 "ms/step": round(ms, 2),
                 "tok/s": round(B * T / ms * 1e3),
                 "MFU %": round(flops / (ms / 1e3) / cfg.peak_flops * 100, 1),
-                "peak GiB": round(peak - other / 2**30, 2),
+                "peak GiB": round(peak - (start - runs[name]["resident"]) / 2**30, 2),
                 "params": runs[name]["params"],
                 "loss": round(loss, 4),
             }
         )
-    if fit:  # the same trainers at twice the batch (compiled again for the shape)
-        x2, y2 = _batch(mc, 2 * B, T, dev)
-        twice = {"ours": lambda m: m(x2, y2)[1], "transformers": lambda m: m(input_ids=x2, labels=x2).loss}
+    if fit:  # the same trainers at half the batch (compiled again for the shape; twice it may not fit beside others)
+        x2, y2 = _batch(mc, B // 2, T, dev)
         for name, model in models.items():
-            other = sum(r["resident"] for n, r in runs.items() if n != name)
             row = next(r for r in rows if r["model"] == name)
             try:
-                peak2 = _peak_at(_trainer(model, twice[name], opt=runs[name]["step"].opt), 2) - other / 2**30
-                row["peak GiB at 2x batch"] = round(peak2, 2)
-            except torch.OutOfMemoryError:  # twice the batch does not fit beside the other model: no line
-                row["note"] = "out of memory at twice the batch"
+                start = torch.cuda.memory_allocated()
+                peak2 = _peak_at(_trainer(model, loss_of(name, x2, y2), opt=runs[name]["step"].opt), 2)
+                peak2 -= (start - runs[name]["resident"]) / 2**30
+                row["peak GiB at half the batch"] = round(peak2, 2)
+            except torch.OutOfMemoryError:  # no line
+                row["note"] = "out of memory at half the batch"
                 torch.cuda.empty_cache()
     del models, runs
     torch.cuda.empty_cache()
@@ -199,14 +215,15 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
         if "ms/step" in r:
             r["vs transformers"] = f"{mean('transformers') / r['ms/step']:.3f}x"
             r.setdefault("MFU %", round(flops / (r["ms/step"] / 1e3) / cfg.peak_flops * 100, 1))
-        if fit and "peak GiB at 2x batch" in r:  # peak = fixed + per sequence * batch
-            per = (r["peak GiB at 2x batch"] - r["peak GiB"]) / B
+        if fit and "peak GiB at half the batch" in r:  # peak = fixed + per sequence * batch
+            per = (r["peak GiB"] - r["peak GiB at half the batch"]) / (B - B // 2)
             r[f"batch in {fit:g} GiB"] = int((fit - (r["peak GiB"] - per * B)) // per) if per > 0 else "-"
     save(
         f"hf_{tag}",
         rows,
         config=config,
         extra=list(extra),
+        variants=list(variants),
         batch=B,
         seq=T,
         steps=steps,
@@ -215,9 +232,10 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
         note="the same loop for every row (bf16 autocast over fp32 weights, fused AdamW, clipping; compiled "
         "unless said); ours and transformers in this process, timed ours, theirs, theirs, ours; each Liger row "
         "in a process of its own, timed twice there; MFU from our model's 6N + attention FLOPs per token "
-        "against peak_flops; peak GiB: the block's peak less the other model's resident memory; vs "
+        "against peak_flops; peak GiB: the block's peak above what was allocated before it, plus the model's "
+        "own weights, buffers and AdamW state (as if alone on the GPU); vs "
         "transformers: the mean of transformers' two blocks over this block's ms; batch in N GiB: the "
-        "straight line through the peaks at the batch and at twice it",
+        "straight line through the peaks at half the batch and at the batch (an estimate)",
     )
     cols = ["model", "ms/step", "vs transformers", "tok/s", "MFU %", "peak GiB", "loss"]
     table(rows, cols + ([f"batch in {fit:g} GiB"] if fit else []) + ["note"])

@@ -19,6 +19,7 @@ loss's head gradient, bf16 copies of weights): results/memory_<tag>_cpu.json.
 
 import argparse
 import dataclasses
+import sys
 import time
 
 import torch
@@ -120,8 +121,9 @@ def main(argv=None):
         "--cpu", type=int, default=0, metavar="SEQ", help="no GPU: count what the forward keeps, at SEQ tokens"
     )
     ap.add_argument("--tag", default="")
-    ap.add_argument("extra", nargs="*", help="--key=value settings after --")
-    a = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # our settings after a lone --
+    a, a.extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     cfg = settings.parse([a.config, *a.extra])
     mc, names, tag = cfg.model_config(), [v.strip() for v in a.variants.split(",")], a.tag or cfg.model_config().family
     if a.cpu:  # one sequence and two: what grows with the batch, and what does not
