@@ -532,7 +532,10 @@ def _numbers(lines):
 def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
     """The README's expected output of command 1 (its grid, model size and every loss line up to
     `steps`; timings aside) is what a run of that very command prints: the default tier runs the
-    first 10 steps (the learning-rate schedule does not depend on max_iters), the slow tier all."""
+    first 10 steps (the learning-rate schedule does not depend on max_iters), the slow tier all.
+    The first 10 steps' lines bit for bit; later losses within 0.1, since CPUs with other vector units
+    round the sums differently and 200 steps of training carry that (seen: step 200's loss 5.7329 and
+    5.7061 on two machines)."""
     nproc, args, shown = _readme_demo()
     p = run(args + [f"--max_iters={steps}", f"--out_dir={tmp_path}", "--sample_tokens=0"], nproc=nproc)
     printed = p.stdout.splitlines()
@@ -543,8 +546,16 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
         and (not ln.startswith("step") or int(ln.split()[1].split("/")[0]) <= steps)
     ]
     assert len(expect) >= (3 if steps == 10 else 5)
+    got = _numbers(printed)
     for line in _numbers(expect):
-        assert line in _numbers(printed), (line, [ln for ln in printed if ln.startswith(line[:12])])
+        if not line.startswith("step") or int(line.split()[1]) <= 10:
+            assert line in got, (line, [ln for ln in got if ln.startswith(line[:12])])
+            continue
+        kind = line.split("|")[1].split()[0]  # "loss" or "train"
+        same = [ln for ln in got if ln.split("|")[0] == line.split("|")[0] and ln.split("|")[1].split()[0] == kind]
+        assert len(same) == 1, (line, same)
+        losses = lambda ln: [float(v) for v in re.findall(r"(?:loss|train|val)\s+([\d.]+)", ln)]
+        assert losses(same[0]) == pytest.approx(losses(line), abs=0.1) and losses(line), (line, same[0])
 
 
 @pytest.mark.parametrize(
