@@ -384,7 +384,7 @@ class MLP(nn.Module):
         self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections=sections)
         self.proj = RowParallelLinear(width, cfg.n_embd, comm, cfg.linear_bias)
         self.drop = nn.Dropout(cfg.dropout)
-        self.recompute = cfg.recompute if cfg.recompute in ("pointwise", "mlp") else ""
+        self.recompute = cfg.recompute
 
     def act(self, h):  # h: (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
         if self.swiglu:
