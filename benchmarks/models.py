@@ -143,10 +143,9 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
     torch.compile, fused AdamW, gradient clipping at 1.0, the same random batch. All stay resident;
     each is timed twice in the order ours, theirs, theirs, ours, so the noise shows. Peak memory is a
     block's peak above what was allocated before it, plus the model's own weights, buffers and
-    optimizer state: its peak as if alone. variants ("k=v/k=v": our
-    settings): more rows of ours, resident beside the others, timed in the same mirrored order (ours,
-    each variant, theirs, theirs, each variant backwards, ours). Then transformers with
-    Liger Kernel's patches, eager and compiled, each in a process of its own (timed twice there), where
+    optimizer state: its peak as if alone. variants ("k=v/k=v": our settings): more rows of ours,
+    resident beside the others, timed in the same mirrored order (ours, each variant, theirs, theirs,
+    each variant backwards, ours). Then transformers with Liger Kernel's patches, eager and compiled, each in a process of its own (timed twice there), where
     liger-kernel is importable. fit (GiB, e.g. 80: an H100): every trainer's peak also at half the
     batch, and the largest batch whose peak the two points put under fit GiB (a straight line: an
     estimate, not a run at that batch)."""
