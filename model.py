@@ -229,28 +229,33 @@ class LMHead(ColumnParallelLinear):
         """Mean cross-entropy of x (B, T, C) against targets (B, T) (-1: ignored) over the n_real real
         columns, chunk tokens at a time (0: all at once)."""
         x = parallel.f(autocast_input(x), None, None, self.comm)  # f alone: its all-reduce of grad_x backward
-        return FusedLinearCrossEntropy.apply(
+        return fused_linear_cross_entropy(
             x.flatten(0, -2), self.weight, targets.flatten(), self.comm, n_real, chunk, torch.is_grad_enabled()
         )
 
 
-class FusedLinearCrossEntropy(torch.autograd.Function):
+def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
     """The LM head and the mean cross-entropy in one, chunk by chunk of tokens, so that no (tokens, V)
     tensor ever exists whole (the idea of Liger's and Apple's Cut Cross-Entropy), vocab-parallel
-    (Megatron's loss). For a chunk's logits z = h A^T on this rank's columns (vocabulary padding at -inf):
+    (Megatron's loss). h: (N, C), weight: (V/tp, C), targets: (N,). For a chunk's logits z = h A^T on
+    this rank's columns (vocabulary padding at -inf):
 
         loss   = sum over valid tokens of (log sum_j exp z_j - z_target) / n_valid
         dz     = (softmax(z) - onehot(target)) * valid / n_valid
         grad_h = dz A   (a partial sum over TP ranks: f's all-reduce completes it)      grad_A = dz^T h
 
-    log sum exp over the whole vocabulary comes from three per-token all-reduces over TP, tiny and
-    exact (so no codec): the max m, then sum exp(z - m) and the target's logit (0 on the ranks that do
-    not own it). The loss is the last thing a step computes, so its gradients are made here, in
-    forward, while each chunk's logits exist (no second pass over the head); backward scales them by
-    the incoming gradient (1/micro-batches). grads=False (evaluation): the loss alone."""
+    Each rank reduces its own columns to a max m_r and S_r = sum exp(z - m_r) and the target's logit
+    (0 on the ranks that do not own it); two per-token all-reduces over TP, tiny and exact (so no
+    codec), combine them: M = max m_r, then sum exp over the vocabulary = sum S_r exp(m_r - M) and the
+    target's logit. The loss is the last thing a step computes, so its gradients are made here, in
+    forward, while each chunk's logits exist (no second pass over the head), with autograd off;
+    HandMadeGrads hands them to backward, which scales them by the incoming gradient (1/micro-batches).
+    grads=False (evaluation): the loss alone.
 
-    @staticmethod
-    def forward(ctx, h, weight, targets, comm, n_real, chunk, grads):  # h: (N, C), weight: (V/tp, C), targets: (N,)
+    A chunk's two halves, before and after the all-reduces, are each a nested compile region: compiled,
+    nothing fuses across chunks, so one chunk's logits are live at a time (left to itself, the compiler
+    fuses every chunk's gradient pass into one, after all chunks' logits exist)."""
+    with torch.no_grad():
         w, N = weight.to(h.dtype), h.shape[0]
         n_real = max(0, min(n_real - comm.rank * w.shape[0], w.shape[0]))  # this rank's real columns
         valid = targets >= 0
@@ -263,36 +268,60 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
         for a in range(0, N, chunk or N):
             b = min(a + (chunk or N), N)
-            z = (h[a:b] @ w.t()).float()  # (n, V/tp): this chunk's logits
-            if n_real < w.shape[0]:
-                z[:, n_real:] = -torch.inf  # the vocabulary's padding
-            m = z.max(dim=-1).values
+            z, m, sum_exp, target = _chunk_stats(h[a:b], w, n_real, local[a:b], mine[a:b])
             if comm.size > 1:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=comm.group)
-            sum_exp = (z - m[:, None]).exp_().sum(dim=-1)
-            stats = torch.stack((sum_exp, torch.where(mine[a:b], z.gather(1, local[a:b, None])[:, 0], 0.0)))
-            if comm.size > 1:
+                m_all = m.clone()
+                dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=comm.group)
+                stats = torch.stack((sum_exp * (m - m_all).exp(), target))
                 dist.all_reduce(stats, group=comm.group)  # sum of exp over the vocabulary, target logit
-            lse = m + stats[0].log()  # log sum_j exp z_j
-            total += ((lse - stats[1]) * valid[a:b]).sum()
+                m, sum_exp, target = m_all, stats[0], stats[1]
+            lse = m + sum_exp.log()  # log sum_j exp z_j
+            total += ((lse - target) * valid[a:b]).sum()
             if grads:
-                # dz = softmax(z) s - onehot s with s = valid / n_valid. The softmax part is made in z's buffer as
-                # exp(z - lse), a pointwise function of z (compiled: one pass over the logits, nothing (n, V) in
-                # fp32 kept); the one-hot's part of dz A and dz^T h is a row of A or h, taken apart
                 s = valid[a:b] / n_valid
-                dz = z.sub_(lse[:, None]).exp_().mul_(s[:, None]).to(h.dtype)
                 one = (s * mine[a:b])[:, None]  # the one-hot's weight: 0 where another rank owns the target
-                grad_h[a:b] = dz @ w - one * w[local[a:b]]  # (n, C): a partial sum over TP ranks
-                grad_w += (dz.t() @ h[a:b]).float()  # (V/tp, C)
+                grad_h[a:b], dw = _chunk_grads(z, lse, s, one, local[a:b], h[a:b], w)
+                grad_w += dw.float()  # (V/tp, C)
                 grad_w.index_add_(0, local[a:b], -one * h[a:b].float())
-        if grads:
-            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
-        return total / n_valid
+        loss = total / n_valid
+    return HandMadeGrads.apply(loss, h, weight, grad_h, grad_w.to(weight.dtype)) if grads else loss
+
+
+class HandMadeGrads(torch.autograd.Function):
+    """loss, whose gradients with respect to h and weight were made by hand (grad_h, grad_w): backward
+    hands them on, scaled by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, loss, h, weight, grad_h, grad_w):
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss.clone()
 
     @staticmethod
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad.to(grad_h.dtype), grad_w * grad, None, None, None, None, None
+        return None, grad_h * grad.to(grad_h.dtype), grad_w * grad, None, None
+
+
+@torch.compiler.nested_compile_region
+def _chunk_stats(h, w, n_real, local, mine):
+    """A chunk's logits z (n, V/tp) in h's dtype, padding at -inf, and per token this rank's max m,
+    sum exp(z - m) and target logit. m is clamped to the largest finite float so that a rank whose
+    columns are all padding gives sum 0, not exp(-inf + inf) = NaN; a NaN in z still propagates."""
+    z = h @ w.t()
+    if n_real < w.shape[0]:
+        z[:, n_real:] = -torch.inf  # the vocabulary's padding
+    m = z.max(dim=-1).values.float().clamp(min=torch.finfo(torch.float32).min)
+    sum_exp = (z.float() - m[:, None]).exp().sum(dim=-1)
+    return z, m, sum_exp, torch.where(mine, z.gather(1, local[:, None])[:, 0].float(), 0.0)
+
+
+@torch.compiler.nested_compile_region
+def _chunk_grads(z, lse, s, one, local, h, w):
+    """A chunk's share of grad_h and of grad_A's softmax part (the one-hot's part of grad_A is a row of h,
+    added by the caller). dz's softmax part is exp(z - lse) s, a pointwise function of z (compiled: one
+    pass over the logits, nothing (n, V) kept in fp32); the one-hot's part of dz A is a row of A."""
+    dz = ((z.float() - lse[:, None]).exp() * s[:, None]).to(h.dtype)
+    return dz @ w - one * w[local], dz.t() @ h
 
 
 # -----------------------------------------------------------------------------

@@ -31,11 +31,11 @@ import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
 from model import (
     ColumnParallelLinear,
-    FusedLinearCrossEntropy,
     LMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     autocast_input,
+    fused_linear_cross_entropy,
 )
 
 
@@ -154,7 +154,7 @@ class EmulatedHead(EmulatedColumn):
         if self.t == 1:
             x = _EmulatedGrad.apply(autocast_input(x), self.comm)
             book = getattr(self.comm, "comm", self.comm)  # a SiteComm's TPComm (size 1: no all-reduce)
-            return FusedLinearCrossEntropy.apply(
+            return fused_linear_cross_entropy(
                 x.flatten(0, -2), self.weight, targets.flatten(), book, n_real, chunk, torch.is_grad_enabled()
             )
         logits = self(x).float()

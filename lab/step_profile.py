@@ -50,7 +50,7 @@ def profiled(step, steps, path):
 def head_rows(mc, N, chunks, step_ms):
     """The LM head and its loss alone on N tokens: forward and backward, compiled (ms, share of the step)."""
     import parallel
-    from model import FusedLinearCrossEntropy
+    from model import fused_linear_cross_entropy
 
     dev, V, C = torch.device("cuda"), mc.padded_vocab, mc.n_embd
     g = torch.Generator(dev).manual_seed(0)
@@ -65,7 +65,7 @@ def head_rows(mc, N, chunks, step_ms):
 
     def fused(chunk):
         fn = torch.compile(
-            lambda h, w: FusedLinearCrossEntropy.apply(h, w, t, parallel.TPComm(), mc.vocab_size, chunk, True)
+            lambda h, w: fused_linear_cross_entropy(h, w, t, parallel.TPComm(), mc.vocab_size, chunk, True)
         )
         return lambda: fn(h, w).backward()
 

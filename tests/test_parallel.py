@@ -113,15 +113,16 @@ def test_column_row_parallel_match_nn_linear(tp):
 
 
 def _fused(rank, world):
-    """LMHead.loss at TP=world on its slice of a (16 padded, 14 real)-column head, in chunks of 3, all
-    at once and more than all: the loss, grad_h (complete: f's all-reduce), this rank's grad_A, and the
-    same from the logits whole through F.cross_entropy."""
+    """LMHead.loss at TP=world on its slice of a (16 padded, 11 real)-column head (at TP=4 the last
+    rank's columns are all padding), in chunks of 3, all at once and more than all: the loss, grad_h
+    (complete: f's all-reduce), this rank's grad_A, and the same from the logits whole through
+    F.cross_entropy."""
     g = torch.Generator().manual_seed(1)
     h, weight = torch.randn(10, 8, generator=g), torch.randn(16, 8, generator=g)
-    targets = torch.randint(0, 14, (10,), generator=g)
+    targets = torch.randint(0, 11, (10,), generator=g)
     targets[3] = -1  # ignored position
     ref_h, ref_w = h.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref = F.cross_entropy((ref_h @ ref_w.t())[:, :14], targets, ignore_index=-1)  # columns 14, 15: padding
+    ref = F.cross_entropy((ref_h @ ref_w.t())[:, :11], targets, ignore_index=-1)  # columns 11 to 15: padding
     ref.backward()
     out = {}
     for chunk in (3, 0, 100):
@@ -129,7 +130,7 @@ def _fused(rank, world):
         with torch.no_grad():
             head.weight.copy_(head.shard(weight))
         x = h.clone().view(2, 5, 8).requires_grad_()
-        loss = head.loss(x, targets.view(2, 5), 14, chunk)
+        loss = head.loss(x, targets.view(2, 5), 11, chunk)
         loss.backward()
         out[chunk] = (
             loss.detach(),
@@ -184,7 +185,7 @@ def test_the_fused_loss_in_bf16_on_a_gpu_is_the_unfused_within_bf16s_tolerance(c
     w = (torch.randn(V, C, device=dev, generator=g) * 0.05).requires_grad_()
     t = torch.randint(0, real, (N,), device=dev, generator=g)
     t[::7] = -1
-    fn = lambda h, w: model.FusedLinearCrossEntropy.apply(h, w, t, parallel.TPComm(), real, 1000, True)
+    fn = lambda h, w: model.fused_linear_cross_entropy(h, w, t, parallel.TPComm(), real, 1000, True)
     loss = (torch.compile(fn) if compiled else fn)(h, w)
     loss.backward()
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
