@@ -248,8 +248,8 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
     (0 on the ranks that do not own it); two per-token all-reduces over TP, tiny and exact (so no
     codec), combine them: M = max m_r, then sum exp over the vocabulary = sum S_r exp(m_r - M) and the
     target's logit. The loss is the last thing a step computes, so its gradients are made here, in
-    forward, while each chunk's logits exist (no second pass over the head), with autograd off;
-    HandMadeGrads hands them to backward, which scales them by the incoming gradient (1/micro-batches).
+    forward, while each chunk's logits exist (no second pass over the head), with autograd off (else a
+    compiled region also makes, unused, what its own backward would save); HandMadeGrads hands them to backward, which scales them by the incoming gradient (1/micro-batches).
     grads=False (evaluation): the loss alone.
 
     A chunk's two halves, before and after the all-reduces, are each a nested compile region: compiled,
@@ -302,11 +302,15 @@ class HandMadeGrads(torch.autograd.Function):
         return None, grad_h * grad.to(grad_h.dtype), grad_w * grad, None, None
 
 
-@torch.compiler.nested_compile_region
+# a function the compiler compiles on its own and never fuses with its neighbours (torch >= 2.8; before, a plain call)
+nested_compile_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
+
+
+@nested_compile_region
 def _chunk_stats(h, w, n_real, local, mine):
     """A chunk's logits z (n, V/tp) in h's dtype, padding at -inf, and per token this rank's max m,
-    sum exp(z - m) and target logit. m is clamped to the largest finite float so that a rank whose
-    columns are all padding gives sum 0, not exp(-inf + inf) = NaN; a NaN in z still propagates."""
+    sum exp(z - m) and target logit. m is clamped from below to the lowest finite float so that a rank
+    whose columns are all padding gives sum 0, not exp(-inf + inf) = NaN; a NaN in z still propagates."""
     z = h @ w.t()
     if n_real < w.shape[0]:
         z[:, n_real:] = -torch.inf  # the vocabulary's padding
@@ -315,7 +319,7 @@ def _chunk_stats(h, w, n_real, local, mine):
     return z, m, sum_exp, torch.where(mine, z.gather(1, local[:, None])[:, 0].float(), 0.0)
 
 
-@torch.compiler.nested_compile_region
+@nested_compile_region
 def _chunk_grads(z, lse, s, one, local, h, w):
     """A chunk's share of grad_h and of grad_A's softmax part (the one-hot's part of grad_A is a row of h,
     added by the caller). dz's softmax part is exp(z - lse) s, a pointwise function of z (compiled: one
