@@ -42,7 +42,8 @@ def loss_alone(versions, mc, N):
     t = torch.randint(0, mc.vocab_size, (N,), device=dev, generator=g)
     rows = []
     for name in ("before", "after", "after", "before"):
-        mod = versions[name]  # the loss is a function since the chunks' nested compile regions, a Function before
+        # its loss: fused_linear_cross_entropy, or in an older model.py the Function FusedLinearCrossEntropy
+        mod = versions[name]
         fused = getattr(mod, "fused_linear_cross_entropy", None) or mod.FusedLinearCrossEntropy.apply
         fn = torch.compile(lambda h, w, f=fused: f(h, w, t, parallel.TPComm(), mc.vocab_size, mc.loss_chunk, True))
 
