@@ -249,8 +249,9 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
     codec), combine them: M = max m_r, then sum exp over the vocabulary = sum S_r exp(m_r - M) and the
     target's logit. The loss is the last thing a step computes, so its gradients are made here, in
     forward, while each chunk's logits exist (no second pass over the head), with autograd off (else a
-    compiled region also makes, unused, what its own backward would save); HandMadeGrads hands them to backward, which scales them by the incoming gradient (1/micro-batches).
-    grads=False (evaluation): the loss alone.
+    compiled region also makes, unused, what its own backward would save); HandMadeGrads hands them to
+    backward, which scales them by the incoming gradient (1/micro-batches). grads=False (evaluation):
+    the loss alone.
 
     A chunk's two halves, before and after the all-reduces, are each a nested compile region: compiled,
     nothing fuses across chunks, so one chunk's logits are live at a time (left to itself, the compiler
