@@ -69,6 +69,12 @@ def _resident(model, opt):
     return sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in tensors}.values())
 
 
+def _as_alone(peak, start, resident):
+    """A block's peak (GiB) as if its model were alone on the GPU: less what the others held when it
+    began (bytes allocated at the start less the model's own resident bytes)."""
+    return round(peak - (start - resident) / 2**30, 2)
+
+
 def _peak_at(step, warmup):
     """The peak GiB of a few steps of a trainer (compiled for this shape on its first step)."""
     for _ in range(warmup):
@@ -145,10 +151,10 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
     block's peak above what was allocated before it, plus the model's own weights, buffers and
     optimizer state: its peak as if alone. variants ("k=v/k=v": our settings): more rows of ours,
     resident beside the others, timed in the same mirrored order (ours, each variant, theirs, theirs,
-    each variant backwards, ours). Then transformers with Liger Kernel's patches, eager and compiled, each in a process of its own (timed twice there), where
-    liger-kernel is importable. fit (GiB, e.g. 80: an H100): every trainer's peak also at half the
-    batch, and the largest batch whose peak the two points put under fit GiB (a straight line: an
-    estimate, not a run at that batch)."""
+    each variant backwards, ours). Then transformers with Liger Kernel's patches, eager and compiled,
+    each in a process of its own (timed twice there), where liger-kernel is importable. fit (GiB, e.g.
+    80: an H100): every trainer's peak also at half the batch, and the largest batch whose peak the two
+    points put under fit GiB (a straight line: an estimate, not a run at that batch)."""
     import config as settings
     from model import GPT
 
@@ -187,7 +193,7 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
                 "ms/step": round(ms, 2),
                 "tok/s": round(B * T / ms * 1e3),
                 "MFU %": round(flops / (ms / 1e3) / cfg.peak_flops * 100, 1),
-                "peak GiB": round(peak - (start - runs[name]["resident"]) / 2**30, 2),
+                "peak GiB": _as_alone(peak, start, runs[name]["resident"]),
                 "params": runs[name]["params"],
                 "loss": round(loss, 4),
             }
@@ -199,8 +205,7 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
             try:
                 start = torch.cuda.memory_allocated()
                 peak2 = _peak_at(_trainer(model, loss_of(name, x2, y2), opt=runs[name]["step"].opt), 2)
-                peak2 -= (start - runs[name]["resident"]) / 2**30
-                row["peak GiB at half the batch"] = round(peak2, 2)
+                row["peak GiB at half the batch"] = _as_alone(peak2, start, runs[name]["resident"])
             except torch.OutOfMemoryError:  # no line
                 row["note"] = "out of memory at half the batch"
                 torch.cuda.empty_cache()
