@@ -547,6 +547,7 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
     ]
     assert len(expect) >= (3 if steps == 10 else 5)
     got = _numbers(printed)
+    losses = lambda ln: [float(v) for v in re.findall(r"(?:loss|train|val)\s+([\d.]+)", ln)]
     for line in _numbers(expect):
         if not line.startswith("step") or int(line.split()[1]) <= 10:
             assert line in got, (line, [ln for ln in got if ln.startswith(line[:12])])
@@ -554,7 +555,6 @@ def test_the_readmes_demo_output_is_what_the_command_prints(tmp_path, steps):
         kind = line.split("|")[1].split()[0]  # "loss" or "train"
         same = [ln for ln in got if ln.split("|")[0] == line.split("|")[0] and ln.split("|")[1].split()[0] == kind]
         assert len(same) == 1, (line, same)
-        losses = lambda ln: [float(v) for v in re.findall(r"(?:loss|train|val)\s+([\d.]+)", ln)]
         assert losses(same[0]) == pytest.approx(losses(line), abs=0.1) and losses(line), (line, same[0])
 
 
