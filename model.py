@@ -255,7 +255,9 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
 
     A chunk's two halves, before and after the all-reduces, are each a nested compile region: compiled,
     nothing fuses across chunks, so one chunk's logits are live at a time (left to itself, the compiler
-    fuses every chunk's gradient pass into one, after all chunks' logits exist)."""
+    fuses every chunk's gradient pass into one, after all chunks' logits exist). Its partitioner keeps for
+    the backward whichever is fewer bytes: grad_A in fp32, or the chunks' logits (bf16: when a step has fewer
+    tokens than twice the width C), from which the backward then runs the gradient half again for grad_A."""
     with torch.no_grad():
         w, N = weight.to(h.dtype), h.shape[0]
         n_real = max(0, min(n_real - comm.rank * w.shape[0], w.shape[0]))  # this rank's real columns
