@@ -173,6 +173,25 @@ def test_the_models_fused_loss_equals_its_logits_through_cross_entropy(tied):
     assert logits.shape[-1] == 256 and head[200:].abs().max() == 0 and head[:200].abs().max() > 0
 
 
+@pytest.mark.parametrize("T", [64, pytest.param(8, marks=pytest.mark.slow)])
+def test_compiled_the_backward_keeps_no_logits_unless_they_are_fewer_bytes_than_the_heads_gradient(T):
+    """Compiled under bf16 autocast (width 32, padded vocabulary 256, chunks of T/2 tokens): with 2 x 64
+    tokens (at least twice the width) no tensor of the vocabulary's width is kept for the backward but
+    the head's own (256, 32); with 2 x 8 tokens the chunks' logits (4, 256) are, fewer bytes than the
+    head's fp32 gradient (what model.py's docstring says the partitioner does)."""
+    torch._dynamo.reset()
+    cfg = GPTConfig(block_size=T, vocab_size=200, n_layer=1, n_head=2, n_embd=32, loss_chunk=T // 2)
+    g = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, 200, (2, T), generator=g), torch.randint(0, 200, (2, T), generator=g)
+    kept = []
+    pack = lambda t: kept.append(tuple(t.shape)) or t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.compile(GPT(cfg, seed=0))(idx, targets)[1]
+    loss.backward()
+    vocab_wide = {s for s in kept if 256 in s}
+    assert vocab_wide == ({(256, 32)} if T == 64 else {(256, 32), (T // 2, 256)}), sorted(set(kept))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_loss_in_bf16_on_a_gpu_is_the_unfused_within_bf16s_tolerance(compiled):
