@@ -283,8 +283,8 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
             if grads:
                 s = valid[a:b] / n_valid
                 one = (s * mine[a:b])[:, None]  # the one-hot's weight: 0 where another rank owns the target
-                grad_h[a:b], dw = _chunk_grads(z, lse, s, one, local[a:b], h[a:b], w)
-                grad_w += dw.float()  # (V/tp, C)
+                grad_h[a:b], dz = _chunk_grads(z, lse, s, one, local[a:b], h[a:b], w)
+                torch.ops.nanotaco.accumulate_mm(grad_w, dz.t(), h[a:b])  # grad_w (V/tp, C) += dz^T h
                 grad_w.index_add_(0, local[a:b], -one * h[a:b].float())
         loss = total / n_valid
     return HandMadeGrads.apply(loss, h, weight, grad_h, grad_w.to(weight.dtype)) if grads else loss
@@ -324,11 +324,25 @@ def _chunk_stats(h, w, n_real, local, mine):
 
 @nested_compile_region
 def _chunk_grads(z, lse, s, one, local, h, w):
-    """A chunk's share of grad_h and of grad_A's softmax part (the one-hot's part of grad_A is a row of h,
-    added by the caller). dz's softmax part is exp(z - lse) s, a pointwise function of z (compiled: one
-    pass over the logits, nothing (n, V) kept in fp32); the one-hot's part of dz A is a row of A."""
+    """A chunk's share of grad_h, and dz's softmax part, from which the caller adds grad_A's (the one-hot's
+    part of grad_A is a row of h, added by the caller too). dz's softmax part is exp(z - lse) s, a pointwise
+    function of z (compiled: one pass over the logits, nothing (n, V) kept in fp32); the one-hot's part of
+    dz A is a row of A."""
     dz = ((z.float() - lse[:, None]).exp() * s[:, None]).to(h.dtype)
-    return dz @ w - one * w[local], dz.t() @ h
+    return dz @ w - one * w[local], dz
+
+
+@torch.library.custom_op("nanotaco::accumulate_mm", mutates_args=("acc",))
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, acc in fp32, a and b in fp32 or bf16. On a GPU one GEMM adds into acc as it writes
+    (cuBLAS's beta = 1), not a bf16 product and then a pass over acc; an op of its own because the compiler
+    cannot lower addmm's out_dtype (torch 2.13), which has no CPU kernel."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a @ b).to(acc.dtype)
 
 
 # -----------------------------------------------------------------------------
