@@ -617,3 +617,22 @@ def _async_all_reduce(rank, world):
 def test_async_all_reduce_equals_the_blocking_one(dp):
     for a, b in (r["async"] for r in dp):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_accumulate_mm_adds_the_product_into_the_fp32_accumulator(dtype, compiled):
+    """The fused loss's grad_A accumulation: acc += a @ b in place, acc fp32, eager and compiled (where the
+    op's mutation must reach the caller's tensor), against the product in fp32 within the inputs' rounding."""
+    g = torch.Generator().manual_seed(0)
+    acc, a, b = torch.randn(48, 16, generator=g), torch.randn(48, 40, generator=g), torch.randn(40, 16, generator=g)
+    want = acc + a.to(dtype).float() @ b.to(dtype).float()
+
+    def add(acc, a, b):
+        torch.ops.nanotaco.accumulate_mm(acc, a, b)
+        return acc * 1
+
+    out = (torch.compile(add) if compiled else add)(acc, a.to(dtype), b.to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(acc, want, rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(out, acc)
