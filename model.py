@@ -256,8 +256,8 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
     A chunk's two halves, before and after the all-reduces, are each a nested compile region: compiled,
     nothing fuses across chunks, so one chunk's logits are live at a time (left to itself, the compiler
     fuses every chunk's gradient pass into one, after all chunks' logits exist). Its partitioner keeps for
-    the backward whichever is fewer bytes: grad_A in fp32, or the chunks' logits (bf16: when a step has fewer
-    tokens than twice the width C), from which the backward then runs the gradient half again for grad_A."""
+    the backward whichever is fewer bytes: grad_A in fp32, or the chunks' dz (bf16: when a step has fewer
+    tokens than twice the width C), from which the backward then forms grad_A."""
     with torch.no_grad():
         w, N = weight.to(h.dtype), h.shape[0]
         n_real = max(0, min(n_real - comm.rank * w.shape[0], w.shape[0]))  # this rank's real columns
@@ -283,7 +283,9 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
             if grads:
                 s = valid[a:b] / n_valid
                 one = (s * mine[a:b])[:, None]  # the one-hot's weight: 0 where another rank owns the target
-                grad_h[a:b], dz = _chunk_grads(z, lse, s, one, local[a:b], h[a:b], w)
+                dz = z  # from here dz's softmax part, written over the logits, which are not needed after
+                torch.ops.nanotaco.softmax_grad_(dz, lse, s)
+                grad_h[a:b] = _chunk_grad_h(dz, one, local[a:b], w)
                 torch.ops.nanotaco.accumulate_mm(grad_w, dz.t(), h[a:b])  # grad_w (V/tp, C) += dz^T h
                 grad_w.index_add_(0, local[a:b], -one * h[a:b].float())
         loss = total / n_valid
@@ -322,14 +324,27 @@ def _chunk_stats(h, w, n_real, local, mine):
     return z, m, sum_exp, torch.where(mine, z.gather(1, local[:, None])[:, 0].float(), 0.0)
 
 
+@torch.library.custom_op("nanotaco::softmax_grad_", mutates_args=("z",))
+def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, s: torch.Tensor) -> None:
+    """z := dz's softmax part, exp(z - lse) s, in z's dtype, in place, so that one (n, V/tp) tensor is live,
+    not two. An op of its own: the compiler writes a nested region's result to a new tensor, and loses
+    an in-place write to a region's input; on a GPU it runs a compiled function of its own, which reads
+    and writes z in one pass (eager, a pass per op, through an fp32 copy)."""
+    (_softmax_grad_compiled if z.is_cuda else _softmax_grad)(z, lse, s)
+
+
+def _softmax_grad(z, lse, s):
+    z.copy_(((z.float() - lse[:, None]).exp() * s[:, None]).to(z.dtype))
+
+
+_softmax_grad_compiled = torch.compile(_softmax_grad)
+
+
 @nested_compile_region
-def _chunk_grads(z, lse, s, one, local, h, w):
-    """A chunk's share of grad_h, and dz's softmax part, from which the caller adds grad_A's (the one-hot's
-    part of grad_A is a row of h, added by the caller too). dz's softmax part is exp(z - lse) s, a pointwise
-    function of z (compiled: one pass over the logits, nothing (n, V) kept in fp32); the one-hot's part of
-    dz A is a row of A."""
-    dz = ((z.float() - lse[:, None]).exp() * s[:, None]).to(h.dtype)
-    return dz @ w - one * w[local], dz
+def _chunk_grad_h(dz, one, local, w):
+    """A chunk's share of grad_h, dz A: its softmax part's product, less the one-hot's part, a row of A
+    (one: the one-hot's weight, 0 where another rank owns the target)."""
+    return dz @ w - one * w[local]
 
 
 @torch.library.custom_op("nanotaco::accumulate_mm", mutates_args=("acc",))
