@@ -10,15 +10,19 @@ and costs:
 
     python -m lab.memory configs/qwen2_5_0_5b.py [--steps 10] [--variants ",mlp,block"] [--budgets 1,0.5] [-- --key=value]
     python -m lab.memory configs/qwen2_5_0_5b.py --cpu 512      # no GPU: what the forward keeps
+    python -m lab.memory configs/qwen2_5_0_5b.py --at_peak      # what is live at the step's peak, by book line
 
 Per variant: the resident memory (weights, AdamW state), what the forward keeps for the backward
 (allocated after the forward less the resident), the step's peak, ms/step: results/memory_<tag>.json.
 With --cpu: the bytes one eager forward keeps for the backward, per sequence and fixed (the fused
-loss's head gradient, bf16 copies of weights): results/memory_<tag>_cpu.json.
+loss's head gradient, bf16 copies of weights): results/memory_<tag>_cpu.json. With --at_peak: one
+step of the first variant recorded by the CUDA caching allocator, the blocks live at its peak summed by
+the innermost line of the book that allocated them: results/memory_<tag>_at_peak.json.
 """
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 
@@ -26,7 +30,7 @@ import torch
 
 import config as settings
 import model as book
-from benchmarks.common import save, table
+from benchmarks.common import ROOT, save, table
 from benchmarks.models import _batch
 
 VARIANTS = book.RECOMPUTE
@@ -84,6 +88,58 @@ def measure(cfg, name, steps, warmup=4, budget=1.0):
     return row  # the model, its optimizer and their memory go with this frame
 
 
+def live_at_peak(trace, root=ROOT, book=("model.py", "parallel.py", "taco.py", "train.py")):
+    """Replay an allocator trace (torch.cuda.memory._snapshot()["device_traces"][0]) to its peak: bytes of
+    the blocks live there, summed by the innermost frame in a book file under root ("file:line function"), largest
+    first. The peak is of the bytes allocated since the trace began, less the frees of blocks from before it."""
+    live, now, peak, at_peak = {}, 0, 0, {}
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            now += e["size"]
+        elif e["action"] == "free_completed":
+            now -= live.pop(e["addr"])["size"] if e["addr"] in live else e["size"]
+        if now > peak:
+            peak, at_peak = now, dict(live)
+    by_line = {}
+    for e in at_peak.values():
+        ours = [f for f in e.get("frames", []) if os.path.dirname(f["filename"]) == root]
+        ours = [f for f in ours if os.path.basename(f["filename"]) in book]
+        key = f"{os.path.basename(ours[0]['filename'])}:{ours[0]['line']} {ours[0]['name']}" if ours else "elsewhere"
+        n, size = by_line.get(key, (0, 0))
+        by_line[key] = (n + 1, size + e["size"])
+    return peak, sorted(by_line.items(), key=lambda kv: -kv[1][1])
+
+
+def at_peak(cfg, warmup=4):
+    """One compiled step of cfg's model (after warmup steps) under the allocator's recorder: live_at_peak."""
+    mc, dev = cfg.model_config(), torch.device("cuda")
+    x, y = _batch(mc, cfg.batch_size, cfg.block_size, dev)
+    model = book.GPT(mc, seed=0).to(dev)
+    run, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(x, y)[1]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
+    step()
+    torch.cuda.synchronize()
+    trace = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    peak, lines = live_at_peak(trace)
+    return start, torch.cuda.max_memory_allocated(), peak, lines
+
+
 def kept_for_backward(mc, name, batch, seq):
     """Bytes one forward keeps for the backward, eager on the CPU under bf16 autocast: autograd's saved
     tensors (each storage once, the weights left out) and the inputs each checkpoint keeps to
@@ -120,6 +176,7 @@ def main(argv=None):
     ap.add_argument(
         "--cpu", type=int, default=0, metavar="SEQ", help="no GPU: count what the forward keeps, at SEQ tokens"
     )
+    ap.add_argument("--at_peak", action="store_true", help="what is live at one step's peak, by book line")
     ap.add_argument("--tag", default="")
     argv = sys.argv[1:] if argv is None else list(argv)
     cut = argv.index("--") if "--" in argv else len(argv)  # our settings after a lone --
@@ -134,6 +191,16 @@ def main(argv=None):
                          "GiB fixed": round((2 * one - two) / 2**30, 3)})  # fmt: skip
         save(f"memory_{tag}_cpu", rows, config=a.config, extra=a.extra, seq=a.cpu, note=kept_for_backward.__doc__)
         table(rows, list(rows[0]))
+        return
+    if a.at_peak:
+        start, top, peak, lines = at_peak(cfg)
+        rows = [{"allocated by": "the step's start (weights, AdamW state, the batch)", "blocks": "",
+                 "GiB": round(start / 2**30, 3)}]  # fmt: skip
+        rows += [{"allocated by": k, "blocks": n, "GiB": round(b / 2**30, 3)} for k, (n, b) in lines]
+        save(f"memory_{tag}_at_peak", rows, config=a.config, extra=a.extra, batch=cfg.batch_size,
+             seq=cfg.block_size, peak_gib=round(top / 2**30, 3), live_at_peak_above_start_gib=round(peak / 2**30, 3),
+             note=live_at_peak.__doc__)  # fmt: skip
+        table(rows[:40], ["allocated by", "blocks", "GiB"])
         return
     rows = [measure(cfg, v, a.steps, budget=float(b)) for v in names for b in a.budgets.split(",")]
     base = rows[0]["ms/step"]

@@ -490,3 +490,30 @@ def test_recompute_keeps_less_for_the_backward(family):
     assert saved[""] > saved["pointwise"] and saved[""] > saved["mlp"] > saved["block"], saved
     counted = dict(zip(RECOMPUTE, (memory.kept_for_backward(mc, r, 2, 16) for r in RECOMPUTE)))
     assert counted[""] > counted["pointwise"] and counted[""] > counted["mlp"] > counted["block"] > 0, counted
+
+
+def test_live_at_peak_replays_an_allocator_trace_to_its_peak_and_sums_by_book_line():
+    """lab.memory's replay of a CUDA allocator trace: the peak is where the bytes allocated are most (a
+    free of a block from before the trace lowers them), the blocks live there summed by the innermost
+    frame in a book file, largest first; blocks freed before the peak are not in it."""
+    from lab.memory import live_at_peak
+
+    def frames(*where):
+        return [{"filename": f"/x/{f}", "line": n, "name": fn} for f, n, fn in where]
+
+    head = frames(("_ops.py", 1, "call"), ("model.py", 274, "loss"), ("train.py", 9, "step"))
+    block = frames(("model.py", 170, "forward"), ("model.py", 500, "forward"))
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": block},
+        {"action": "alloc", "addr": 2, "size": 100, "frames": block},
+        {"action": "alloc", "addr": 3, "size": 50, "frames": frames(("site.py", 3, "x"))},
+        {"action": "free_completed", "addr": 3, "size": 50},
+        {"action": "free_completed", "addr": 99, "size": 80},  # allocated before the trace
+        {"action": "alloc", "addr": 4, "size": 300, "frames": head},
+        {"action": "alloc", "addr": 5, "size": 7, "frames": frames(("site.py", 3, "x"))},
+        {"action": "free_completed", "addr": 4, "size": 300},
+        {"action": "alloc", "addr": 6, "size": 200, "frames": head},
+    ]
+    peak, lines = live_at_peak(trace, root="/x")
+    assert peak == 100 + 100 - 80 + 300 + 7
+    assert lines == [("model.py:274 loss", (1, 300)), ("model.py:170 forward", (2, 200)), ("elsewhere", (1, 7))]
