@@ -253,11 +253,12 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
     backward, which scales them by the incoming gradient (1/micro-batches). grads=False (evaluation):
     the loss alone.
 
-    A chunk's two halves, before and after the all-reduces, are each a nested compile region: compiled,
-    nothing fuses across chunks, so one chunk's logits are live at a time (left to itself, the compiler
-    fuses every chunk's gradient pass into one, after all chunks' logits exist). Its partitioner keeps for
-    the backward whichever is fewer bytes: grad_A in fp32, or the chunks' dz (bf16: when a step has fewer
-    tokens than twice the width C), from which the backward then forms grad_A."""
+    A chunk's two halves, before and after the all-reduces, are compiled on their own (nested compile
+    regions, and ops of their own where they write in place): nothing fuses across chunks, so one chunk's
+    logits are live at a time (left to itself, the compiler fuses every chunk's gradient pass into one, after
+    all chunks' logits exist). Its partitioner keeps for the backward whichever is fewer bytes: grad_A in
+    fp32, or the chunks' dz (bf16: when a step has fewer tokens than twice the width C), from which the
+    backward then forms grad_A."""
     with torch.no_grad():
         w, N = weight.to(h.dtype), h.shape[0]
         n_real = max(0, min(n_real - comm.rank * w.shape[0], w.shape[0]))  # this rank's real columns
@@ -287,7 +288,7 @@ def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
                 torch.ops.nanotaco.softmax_grad_(dz, lse, s)
                 grad_h[a:b] = _chunk_grad_h(dz, one, local[a:b], w)
                 torch.ops.nanotaco.accumulate_mm(grad_w, dz.t(), h[a:b])  # grad_w (V/tp, C) += dz^T h
-                grad_w.index_add_(0, local[a:b], -one * h[a:b].float())
+                grad_w.index_add_(0, local[a:b], -one * h[a:b].float())  # the one-hot's part: rows of h
         loss = total / n_valid
     return HandMadeGrads.apply(loss, h, weight, grad_h, grad_w.to(weight.dtype)) if grads else loss
 
