@@ -31,7 +31,7 @@ import torch
 import config as settings
 import model as book
 from benchmarks.common import ROOT, save, table
-from benchmarks.models import _batch
+from benchmarks.models import _batch, _trainer
 
 VARIANTS = book.RECOMPUTE
 
@@ -112,20 +112,10 @@ def live_at_peak(trace, root=ROOT, book=("model.py", "parallel.py", "taco.py", "
 
 
 def at_peak(cfg, warmup=4):
-    """One compiled step of cfg's model (after warmup steps) under the allocator's recorder: live_at_peak."""
+    """One step of cfg's model in bench.py hf's loop (after warmup steps) under the allocator's recorder: live_at_peak."""
     mc, dev = cfg.model_config(), torch.device("cuda")
     x, y = _batch(mc, cfg.batch_size, cfg.block_size, dev)
-    model = book.GPT(mc, seed=0).to(dev)
-    run, opt = torch.compile(model), torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = run(x, y)[1]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = _trainer(book.GPT(mc, seed=0).to(dev), lambda m: m(x, y)[1])
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
