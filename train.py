@@ -62,11 +62,49 @@ def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
         dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-    if zero is None and max_norm > 0 and getattr(opt, "defaults", {}).get("fused"):
-        opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW divides by it as it reads
-    elif zero is None and max_norm > 0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+    if zero is None and max_norm > 0 and not isinstance(opt, ClipAdamW):  # theirs take coef in their step
+        if getattr(opt, "defaults", {}).get("fused"):
+            opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW divides by it as it reads
+        else:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
     return norm, coef
+
+
+@torch.compile(fullgraph=True)
+def adamw_(ps, grads, ms, vs, coef, s, beta1, beta2, eps):
+    """torch.optim.AdamW's update of one parameter group in place, each gradient read times the clip's coef;
+    s = [1 - lr * weight_decay, -lr / (1 - beta1^t), sqrt(1 - beta2^t)], a tensor, so that a new lr or step
+    compiles nothing. Compiled, one pass reads p, grad, m, v and writes p, m, v: the least a clipped AdamW can
+    move (fused AdamW, clipping by its grad_scale, also writes every gradient back, divided)."""
+    g = torch._foreach_mul(grads, coef)
+    torch._foreach_mul_(ps, s[0])  # decoupled weight decay
+    torch._foreach_lerp_(ms, g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, g, g, 1 - beta2)  # v = beta2 v + (1 - beta2) g^2
+    denom = torch._foreach_add_(torch._foreach_div_(torch._foreach_sqrt(vs), s[2]), eps)
+    torch._foreach_addcdiv_(ps, torch._foreach_mul(ms, s[1]), denom)  # p -= lr m_hat / (sqrt(v_hat) + eps)
+
+
+class ClipAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW (its groups, state and checkpoints) whose step(coef) runs adamw_: on a GPU with
+    compile on, one compiled pass per group instead of fused AdamW's pass and its write-back."""
+
+    @torch.no_grad()
+    def step(self, coef):
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            state = [self.state[p] for p in ps]
+            for p, st in zip(ps, state):
+                if not st:
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                st["step"] += 1  # on the CPU, as torch's own AdamW keeps it
+            (b1, b2), t, lr = group["betas"], state[0]["step"].item(), group["lr"]
+            s = [1 - lr * group["weight_decay"], -lr / (1 - b1**t), math.sqrt(1 - b2**t)]
+            s = torch.tensor(s).to(ps[0].device, non_blocking=True)  # no sync: the host never waits on the GPU
+            ms, vs = [st["exp_avg"] for st in state], [st["exp_avg_sq"] for st in state]
+            adamw_(ps, [p.grad for p in ps], ms, vs, coef, s, b1, b2, group["eps"])
 
 
 # -----------------------------------------------------------------------------
@@ -201,7 +239,11 @@ def build_optimizer(r):
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    r.opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=r.use_cuda)
+    betas = (cfg.beta1, cfg.beta2)
+    if r.use_cuda and cfg.compile:
+        r.opt = ClipAdamW(groups, lr=cfg.learning_rate, betas=betas)
+    else:
+        r.opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=r.use_cuda)
 
 
 def mean_loss(r, split, it, n, train):
@@ -268,6 +310,9 @@ def train_step(r, it):
     gnorm, coef = clip_grad_norm(r.params, cfg.grad_clip, grid, r.zero, r.opt)
     if r.zero is not None:  # ZeRO-1: reduce-scatter, clip, step, all-gather
         r.zero.step(lr, coef)
+    elif isinstance(r.opt, ClipAdamW):
+        r.opt.step(coef)
+        r.opt.zero_grad(set_to_none=True)
     else:
         r.opt.step()
         r.opt.zero_grad(set_to_none=True)

@@ -96,6 +96,40 @@ def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
         assert (p - b).abs().max() > 1e-5  # the step moved them
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 0.0])  # clipped, and clipping off (coef 1)
+def test_clip_adamw_is_torch_adamw_after_clipping(max_norm):
+    """ClipAdamW's compiled step with the clip's coefficient: torch.optim.AdamW's steps on gradients clipped
+    first, to fp32 rounding, both parameter groups (weight decay on one), the state where torch keeps it."""
+    import train
+
+    grid = train.parallel.Grid(tp=1, pp=1, dp=1)
+    torch.manual_seed(0)
+    ps = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True)]
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    before = [p.detach().clone() for p in ps]
+    groups = lambda w: [{"params": w[:1], "weight_decay": 0.1}, {"params": w[1:], "weight_decay": 0.0}]
+    # eps=1e-3: the update depends on the gradients' scale (Adam's first step with a small eps barely does)
+    theirs = torch.optim.AdamW(groups(ps), lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
+    ours = train.ClipAdamW(groups(qs), lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
+    for step in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = torch.randn_like(p) * 3
+            q.grad = p.grad.clone()
+        grads = [q.grad.clone() for q in qs]
+        n1, _ = train.clip_grad_norm(ps, max_norm, grid, opt=theirs)
+        n2, coef = train.clip_grad_norm(qs, max_norm, grid, opt=ours)
+        assert n1 == n2 and all(torch.equal(q.grad, g) for q, g in zip(qs, grads))  # ours reads them unscaled
+        assert (coef < 1) == (max_norm > 0)
+        theirs.step()
+        ours.step(coef)
+        for p, q, b in zip(ps, qs, before):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
+            assert (q - b).abs().max() > 1e-5  # the step moved them
+    for p, q in zip(ps, qs):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(ours.state[q][k], theirs.state[p][k], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("zero", [False, True, pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_resume_is_bit_exact(tmp_path, zero):
     """6 steps in one go == 3 steps, stop, resume, 3 more; also with ZeRO-1 over dp=2 (each DP rank
