@@ -144,6 +144,14 @@ def autocast_input(x):
     return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
+def autocast_weight(w):
+    """Under autocast, the weight's bf16 copy made again in the backward from the fp32 parameter, which stays
+    resident anyway, instead of kept from the forward for the input gradient's matmul (2 bytes a parameter)."""
+    if not (torch.is_autocast_enabled(w.device.type) and torch.is_grad_enabled()):
+        return w
+    return checkpoint(lambda t: t.to(torch.get_autocast_dtype(t.device.type)), w, use_reentrant=False)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = f(x) A^T + b with A split by output rows; each rank owns out/tp outputs. No
     communication in forward; f all-reduces the input gradient in backward.
@@ -167,7 +175,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in parts], dim=0)
 
     def forward(self, x):  # x: (B, T, in), sequence parallelism: (B, T/tp, in)
-        return parallel.f(autocast_input(x), self.weight, self.bias, self.comm)  # (B, T, out/tp)
+        return parallel.f(autocast_input(x), autocast_weight(self.weight), self.bias, self.comm)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -188,7 +196,7 @@ class RowParallelLinear(nn.Module):
         return full.chunk(self.comm.size, dim=1)[self.comm.rank]
 
     def forward(self, x):  # x: (B, T, in/tp)
-        y = parallel.g(F.linear(x, self.weight), self.comm)  # (B, T, out), SP: (B, T/tp, out)
+        y = parallel.g(F.linear(x, autocast_weight(self.weight)), self.comm)  # (B, T, out), SP: (B, T/tp, out)
         return y if self.bias is None else y + self.bias
 
 
