@@ -22,7 +22,7 @@ import torch
 import config as settings
 import model as after
 import parallel
-from benchmarks.common import cuda_time, save, table
+from benchmarks.common import cuda_time, save, split_at_dashes, table
 from benchmarks.models import _batch, _timed, _trainer
 
 
@@ -70,8 +70,9 @@ def main(argv):
     ap.add_argument("--steps", type=int, default=10, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--tag", default="")
-    ap.add_argument("extra", nargs="*", help="--key=value settings after --")
-    a = ap.parse_args(argv)
+    ours, extra = split_at_dashes(argv)
+    a = ap.parse_args(ours)
+    a.extra = extra
     cfg = settings.parse([a.config, *a.extra])
     mc, dev = cfg.model_config(), torch.device("cuda")
     B, T = cfg.batch_size, cfg.block_size

@@ -30,7 +30,7 @@ import torch
 
 import config as settings
 import model as book
-from benchmarks.common import ROOT, save, table
+from benchmarks.common import ROOT, save, split_at_dashes, table
 from benchmarks.models import _batch, _trainer
 
 VARIANTS = book.RECOMPUTE
@@ -169,8 +169,9 @@ def main(argv=None):
     ap.add_argument("--at_peak", action="store_true", help="what is live at one step's peak, by book line")
     ap.add_argument("--tag", default="")
     argv = sys.argv[1:] if argv is None else list(argv)
-    cut = argv.index("--") if "--" in argv else len(argv)  # our settings after a lone --
-    a, a.extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
+    ours, extra = split_at_dashes(argv)
+    a = ap.parse_args(ours)
+    a.extra = extra
     cfg = settings.parse([a.config, *a.extra])
     mc, names, tag = cfg.model_config(), [v.strip() for v in a.variants.split(",")], a.tag or cfg.model_config().family
     if a.cpu:  # one sequence and two: what grows with the batch, and what does not

@@ -21,7 +21,7 @@ import torch
 import config as settings
 import model as book
 import train
-from benchmarks.common import save, table
+from benchmarks.common import save, split_at_dashes, table
 
 
 def variants(params, decayed, cfg):
@@ -55,8 +55,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--tag", default="")
     argv = sys.argv[1:] if argv is None else list(argv)
-    cut = argv.index("--") if "--" in argv else len(argv)  # our settings after a lone --
-    a, extra = ap.parse_args(argv[:cut]), argv[cut + 1 :]
+    ours, extra = split_at_dashes(argv)
+    a = ap.parse_args(ours)
     cfg = settings.parse([a.config, *extra])
     mc, dev = cfg.model_config(), torch.device("cuda")
     params = list(book.GPT(mc, seed=0).to(dev).parameters())
