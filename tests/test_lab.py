@@ -517,3 +517,25 @@ def test_live_at_peak_replays_an_allocator_trace_to_its_peak_and_sums_by_book_li
     peak, lines = live_at_peak(trace, root="/x")
     assert peak == 100 + 100 - 80 + 300 + 7
     assert lines == [("model.py:274 loss", (1, 300)), ("model.py:170 forward", (2, 200)), ("elsewhere", (1, 7))]
+
+
+def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch):
+    """Under bf16 autocast, compiled with min-cut partitioning (as inductor partitions), the forward keeps no bf16
+    copy of a block's weight for the backward (model.autocast_weight); without the mark it keeps one per linear."""
+    import model
+
+    def copies_kept():
+        mc = model.GPTConfig(family="gpt2", vocab_size=96, n_layer=2, n_head=2, n_embd=64, block_size=32)
+        m = model.GPT(mc, seed=0)
+        shapes = {tuple(p.shape) for name, p in m.named_parameters() if name.startswith("h.") and p.dim() == 2}
+        x, kept = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0)), []
+        step = torch.compile(m, backend="aot_eager_decomp_partition")
+        keep = lambda t: kept.append(t) or t
+        with torch.autocast("cpu", torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            loss = step(x, x)[1]
+        loss.backward()
+        return [t.shape for t in kept if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes]
+
+    assert copies_kept() == []
+    monkeypatch.setattr(model, "autocast_weight", lambda w: w)
+    assert len(copies_kept()) == 2 * 4  # qkv, attention proj, fc, mlp proj in each of 2 layers
