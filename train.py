@@ -62,7 +62,7 @@ def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
         dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-    if zero is None and max_norm > 0 and not isinstance(opt, ClipAdamW):  # theirs take coef in their step
+    if zero is None and max_norm > 0 and not isinstance(opt, ClipAdamW):  # ClipAdamW takes coef in its step
         if getattr(opt, "defaults", {}).get("fused"):
             opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW divides by it as it reads
         else:
@@ -209,7 +209,8 @@ def setup(cfg, model_hook=None):
 
 
 def build_optimizer(r):
-    """AdamW (weight decay on 2-D weights only), with DP gradient averaging, or ZeRO-1's sharded AdamW."""
+    """AdamW (weight decay on 2-D weights only; on a GPU ClipAdamW with compile on, else fused AdamW), with DP
+    gradient averaging, or ZeRO-1's sharded AdamW."""
     cfg, grid, params = r.cfg, r.grid, r.params
     if cfg.zero1:
         r.zero = r.opt = data_parallel.ZeroAdamW(
