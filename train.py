@@ -62,11 +62,12 @@ def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
         dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-    if zero is None and max_norm > 0 and not isinstance(opt, ClipAdamW):  # ClipAdamW takes coef in its step
-        if getattr(opt, "defaults", {}).get("fused"):
-            opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW divides by it as it reads
-        else:
-            torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+    if zero is None and isinstance(opt, ClipAdamW):
+        opt.coef = coef  # its step reads each gradient times coef
+    elif zero is None and max_norm > 0 and getattr(opt, "defaults", {}).get("fused"):
+        opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW divides by it as it reads
+    elif zero is None and max_norm > 0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
     return norm, coef
 
 
@@ -86,11 +87,14 @@ def adamw_(ps, grads, ms, vs, coef, s, beta1, beta2, eps):
 
 
 class ClipAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (its groups, state and checkpoints) whose step(coef) runs adamw_: on a GPU with
-    compile on, one compiled pass per group instead of fused AdamW's pass and its write-back."""
+    """torch.optim.AdamW (its groups, state and checkpoints) whose step runs adamw_ with the coef that
+    clip_grad_norm left it: on a GPU with compile on, one compiled pass per group instead of fused AdamW's pass
+    and its write-back."""
+
+    coef = 1.0  # the clip's coefficient (a tensor, set by clip_grad_norm before each step)
 
     @torch.no_grad()
-    def step(self, coef):
+    def step(self):
         for group in self.param_groups:
             ps = [p for p in group["params"] if p.grad is not None]
             if not ps:
@@ -104,7 +108,7 @@ class ClipAdamW(torch.optim.AdamW):
             s = [1 - lr * group["weight_decay"], -lr / (1 - b1**t), math.sqrt(1 - b2**t)]
             s = torch.tensor(s).to(ps[0].device, non_blocking=True)  # no sync: the host never waits on the GPU
             ms, vs = [st["exp_avg"] for st in state], [st["exp_avg_sq"] for st in state]
-            adamw_(ps, [p.grad for p in ps], ms, vs, coef, s, b1, b2, group["eps"])
+            adamw_(ps, [p.grad for p in ps], ms, vs, self.coef, s, b1, b2, group["eps"])
 
 
 # -----------------------------------------------------------------------------
@@ -208,6 +212,14 @@ def setup(cfg, model_hook=None):
     return r
 
 
+def param_groups(params, weight_decay):
+    """AdamW's two groups: weight decay on the 2-D weights only (not on norms, biases)."""
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
 def build_optimizer(r):
     """AdamW (weight decay on 2-D weights only; on a GPU ClipAdamW with compile on, else fused AdamW), with DP
     gradient averaging, or ZeRO-1's sharded AdamW."""
@@ -236,11 +248,7 @@ def build_optimizer(r):
             stats=r.dp_stats,
             overlap=cfg.dp_overlap,
         )
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    betas = (cfg.beta1, cfg.beta2)
+    groups, betas = param_groups(params, cfg.weight_decay), (cfg.beta1, cfg.beta2)
     if r.use_cuda and cfg.compile:
         r.opt = ClipAdamW(groups, lr=cfg.learning_rate, betas=betas)
     else:
@@ -311,9 +319,6 @@ def train_step(r, it):
     gnorm, coef = clip_grad_norm(r.params, cfg.grad_clip, grid, r.zero, r.opt)
     if r.zero is not None:  # ZeRO-1: reduce-scatter, clip, step, all-gather
         r.zero.step(lr, coef)
-    elif isinstance(r.opt, ClipAdamW):
-        r.opt.step(coef)
-        r.opt.zero_grad(set_to_none=True)
     else:
         r.opt.step()
         r.opt.zero_grad(set_to_none=True)

@@ -24,18 +24,17 @@ import train
 from benchmarks.common import save, split_at_dashes, table
 
 
-def variants(params, decayed, cfg):
+def variants(params, cfg):
     """{name: step()}: each with its own optimizer state over the same parameters and gradients."""
     grid = train.parallel.Grid(tp=1, pp=1, dp=1)
-    groups = lambda: [{"params": decayed, "weight_decay": cfg.weight_decay},
-                      {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = lambda: train.param_groups(params, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
     ours, fused, theirs, floor = (train.ClipAdamW(groups(), **kw), *(
         torch.optim.AdamW(groups(), fused=True, **kw) for _ in range(3)))  # fmt: skip
 
     def clip_ours():
-        _, coef = train.clip_grad_norm(params, cfg.grad_clip, grid, opt=ours)
-        ours.step(coef)
+        train.clip_grad_norm(params, cfg.grad_clip, grid, opt=ours)
+        ours.step()
 
     def clip_fused():
         train.clip_grad_norm(params, cfg.grad_clip, grid, opt=fused)
@@ -61,7 +60,7 @@ def main(argv=None):
     mc, dev = cfg.model_config(), torch.device("cuda")
     params = list(book.GPT(mc, seed=0).to(dev).parameters())
     grads = [torch.randn_like(p) * 1e-3 for p in params]  # a norm over 1: every variant clips
-    steps = variants(params, [p for p in params if p.dim() >= 2], cfg)
+    steps = variants(params, cfg)
     ms = {name: [] for name in steps}
     for i in range(3 + a.steps):  # 3 warm-up rounds (ClipAdamW compiles in the first); the order rotates
         names = list(steps)[i % 4 :] + list(steps)[: i % 4]

@@ -98,8 +98,9 @@ def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
 
 @pytest.mark.parametrize("max_norm", [0.5, 0.0])  # clipped, and clipping off (coef 1)
 def test_clip_adamw_is_torch_adamw_after_clipping(max_norm):
-    """ClipAdamW's compiled step with the clip's coefficient: torch.optim.AdamW's steps on gradients clipped
-    first, to fp32 rounding, both parameter groups (weight decay on one), the state where torch keeps it."""
+    """ClipAdamW's compiled step with the clip's coefficient (clip_grad_norm hands it over): torch.optim.AdamW's
+    steps on gradients clipped first, to fp32 rounding, both parameter groups (weight decay on one), the state
+    where torch keeps it."""
     import train
 
     grid = train.parallel.Grid(tp=1, pp=1, dp=1)
@@ -121,7 +122,7 @@ def test_clip_adamw_is_torch_adamw_after_clipping(max_norm):
         assert n1 == n2 and all(torch.equal(q.grad, g) for q, g in zip(qs, grads))  # ours reads them unscaled
         assert (coef < 1) == (max_norm > 0)
         theirs.step()
-        ours.step(coef)
+        ours.step()
         for p, q, b in zip(ps, qs, before):
             torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
             assert (q - b).abs().max() > 1e-5  # the step moved them
