@@ -9,6 +9,7 @@ writes its full results (date, machine, versions, the command) to results/<name>
     python bench.py e2e configs/gpt1b.py none,hint8 --nproc=2 --tag=gpt1b -- --compile=True --max_iters=30
     python bench.py hf configs/qwen2_5_0_5b.py               # GPU: our model vs transformers', TP=1, compiled
     python bench.py peer --nanogpt=../shared/anchors         # GPU: train.py at TP=1 vs nanoGPT's bench loop
+    python bench.py fit configs/qwen2_5_0_5b.py 80 ours:34 transformers:18   # GPU: the largest batch in 80 GiB
 """
 
 import argparse
@@ -18,7 +19,7 @@ import taco_ext
 from benchmarks.comm import bench_collective, bench_e2e
 from benchmarks.common import split_at_dashes
 from benchmarks.kernels import OVERLAP_SHAPES, bench_host, bench_kernels, bench_overlap
-from benchmarks.models import PEER_SHAPES, bench_hf, bench_peer
+from benchmarks.models import PEER_SHAPES, bench_fit, bench_hf, bench_peer
 
 
 def main(argv):
@@ -52,6 +53,11 @@ def main(argv):
     f.add_argument("--no_liger", action="store_true", help="leave out the transformers + Liger rows")
     f.add_argument("--variants", default="", help="comma-separated rows of ours more, each k=v[/k=v] settings")
     f.add_argument("--fit", type=float, default=0.0, help="GiB: the largest batch under it, from the peaks at 1/2x, 1x")
+    fi = sub.add_parser("fit", help="GPU: the largest batch each trainer trains in N GiB, a run at each batch")
+    fi.add_argument("config")
+    fi.add_argument("gib", type=float, help="GiB to fit in (the allocator capped there), e.g. 80: an H100")
+    fi.add_argument("starts", nargs="+", help="trainer:estimate, trainer one of ours, transformers, liger")
+    fi.add_argument("--tag", default="fit", help="results/fit_<tag>.json; after a lone --: ours' train.py settings")
     pe = sub.add_parser("peer", help="GPU: train.py at TP=1 vs nanoGPT's bench loop, same shapes, one invocation")
     pe.add_argument("--nanogpt", required=True, help="a nanoGPT folder holding bench_peer.py, or the folder above it")
     pe.add_argument("--shapes", default=",".join(PEER_SHAPES), help="of " + ", ".join(PEER_SHAPES))
@@ -59,7 +65,7 @@ def main(argv):
     pe.add_argument("--tag", default="peer", help="results/<tag>.json; after a lone --: train.py overrides")
     pe.add_argument("--clip", action="store_true", help="also nanoGPT with its train.py's clipping (as ours clips)")
     a = ap.parse_args(argv)
-    if a.what in ("peer", "kernels", "overlap", "host", "collective", "hf"):
+    if a.what in ("peer", "kernels", "overlap", "host", "collective", "hf", "fit"):
         taco_ext.require_gpu(f"bench.py {a.what}", build=a.what in ("kernels", "overlap", "host", "collective"))
     if a.what == "peer":
         bench_peer(
@@ -94,6 +100,8 @@ def main(argv):
             extra=train_args,
             variants=tuple(v for v in a.variants.split(",") if v),
         )
+    elif a.what == "fit":
+        bench_fit(a.config, a.gib, a.starts, a.tag, train_args)
     else:
         bench_e2e(a.config, a.entries.split(","), a.nproc, train_args, a.tag)
 

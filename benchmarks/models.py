@@ -245,6 +245,83 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
     table(rows, cols + ([f"batch in {fit:g} GiB"] if fit else []) + ["note"])
 
 
+def trains_within(config, trainer, batch, gib, extra=()):
+    """Whether `trainer` (ours, transformers, liger: transformers with Liger's patches, eager) trains at `batch`
+    sequences in gib GiB of this GPU (the allocator capped there): two steps of the bench_hf loop, in this
+    process alone. (True, peak GiB) or (False, None) on running out of memory."""
+    import config as settings
+    from model import GPT
+
+    dev = torch.device("cuda")
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, gib * 2**30 / torch.cuda.get_device_properties(dev).total_memory)
+    )
+    cfg = settings.parse([config, *(extra if trainer == "ours" else ()), f"--batch_size={batch}"])
+    mc = cfg.model_config()
+    if trainer == "liger":
+        import liger_kernel.transformers as liger
+
+        getattr(liger, f"apply_liger_kernel_to_{hf_family(mc)}")()
+    x, y = _batch(mc, batch, cfg.block_size, dev)
+    if trainer == "ours":
+        model, loss_of = GPT(mc, seed=0).to(dev), lambda m: m(x, y)[1]
+    else:
+        model, loss_of = _hf_model(mc, dev), lambda m: m(input_ids=x, labels=x).loss
+    try:
+        return True, round(_peak_at(_trainer(model, loss_of, compile=trainer != "liger"), 1), 2)
+    except torch.OutOfMemoryError:
+        return False, None
+
+
+def largest_batch(runs, start, probes=4):
+    """The largest batch b for which runs(b) holds, searched one batch at a time from start (an estimate): up
+    while it runs, down while it does not, at most `probes` calls. (the largest that ran, the smallest that did
+    not); either is None where the probes ran out before finding it."""
+    ran, failed, b = None, None, start
+    for _ in range(probes):
+        if b < 1:
+            break
+        if runs(b):
+            ran = b
+            if failed is not None:
+                break
+            b += 1
+        else:
+            failed = b
+            if ran is not None:
+                break
+            b -= 1
+    return ran, failed
+
+
+def bench_fit(config, gib, starts, tag="fit", extra=()):
+    """For each trainer:estimate in starts, the largest batch that trains in gib GiB (largest_batch over
+    trains_within, each probe a process of its own): a run at each batch, not a line through two peaks."""
+    rows, peaks = [], {}
+
+    def trains(trainer, batch):
+        cmd = [sys.executable, "-m", "benchmarks.models", "trains_within", config, trainer, str(batch), str(gib),
+               *extra]  # fmt: skip
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        out = [json.loads(ln[4:]) for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+        if not out:  # neither ran nor ran out of memory: say why, and stop
+            tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"{trainer} at batch {batch}: rc {p.returncode}: {tail[0][:300]}")
+        print(f"{trainer} at batch {batch}: " + (f"ran, peak {out[0][1]} GiB" if out[0][0] else "out of memory"))
+        peaks[(trainer, batch)] = out[0][1]
+        return out[0][0]
+
+    for trainer, start in (s.split(":") for s in starts):
+        ran, failed = largest_batch(lambda b: trains(trainer, b), int(start))
+        rows.append({"model": trainer, "estimate": int(start), "largest batch that ran": ran,
+                     "peak GiB there": peaks.get((trainer, ran)), "smallest that did not": failed})  # fmt: skip
+    save(f"fit_{tag}", rows, config=config, gib=gib, extra=list(extra),
+         note="each trainer alone in a process per batch, the allocator capped at gib GiB (the whole card where "
+         "it has less), two steps of bench_hf's loop (compiled; Liger eager); searched one batch at a time from "
+         "the estimate")  # fmt: skip
+    table(rows, ["model", "estimate", "largest batch that ran", "peak GiB there", "smallest that did not"])
+
+
 # -----------------------------------------------------------------------------
 # one GPU, TP=1: train.py against nanoGPT's own bench loop (the peer) on the same shapes
 
@@ -393,6 +470,9 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
     table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "vs nanoGPT + clip", "tok/s", "MFU %", "peak GiB"])
 
 
+if __name__ == "__main__" and sys.argv[1:2] == ["trains_within"]:  # one probe of bench_fit, a process of its own
+    config, trainer, batch, gib = sys.argv[2:6]
+    print("ROW " + json.dumps(trains_within(config, trainer, int(batch), float(gib), sys.argv[6:])), flush=True)
 if __name__ == "__main__" and sys.argv[1:2] == ["liger"]:  # bench_hf's Liger rows, each in a process of its own
     config, batch, steps, warmup, compile, fit = sys.argv[2:8]
     for row in liger_rows(config, int(batch), int(steps), int(warmup), bool(int(compile)), float(fit)):

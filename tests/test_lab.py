@@ -469,6 +469,27 @@ def test_peer_profile_sums_kernels_by_kind_and_name(tmp_path):
     assert peer_profile.kind("void at::native::lpnorm_cleanup<float>") == "norm, clip (foreach)"
 
 
+@pytest.mark.parametrize(
+    "start,limit,found,tried",
+    [
+        (18, 20, (20, 21), [18, 19, 20, 21]),  # up from an estimate that runs, to the first that does not
+        (34, 33, (33, 34), [34, 33]),  # down from one that does not, to the first that runs
+        (34, 31, (31, 32), [34, 33, 32, 31]),
+        (10, 30, (13, None), [10, 11, 12, 13]),  # the probes ran out: no failure seen
+        (10, 2, (None, 7), [10, 9, 8, 7]),
+        (1, 0, (None, 1), [1]),  # never below one sequence
+    ],
+)
+def test_fit_search_finds_the_largest_batch_that_runs_one_batch_at_a_time(start, limit, found, tried):
+    """bench.py fit's search, each probe a stand-in for a process that trains (batch <= limit) or runs out of
+    memory: (the largest batch that ran, the smallest that did not), None where four probes did not reach it."""
+    from benchmarks.models import largest_batch
+
+    calls = []
+    assert largest_batch(lambda b: calls.append(b) or b <= limit, start) == found
+    assert calls == tried
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_recompute_keeps_less_for_the_backward(family):
     """What a forward keeps for the backward, counted two ways: autograd's saved tensors alone (a hook
