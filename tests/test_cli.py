@@ -599,6 +599,7 @@ def test_the_kernel_loop_imports_no_more_than_it_needs():
         ["bench.py", "overlap"],
         ["bench.py", "host"],
         ["bench.py", "hf", "configs/qwen2_5_0_5b.py"],
+        ["bench.py", "fit", "configs/qwen2_5_0_5b.py", "80", "ours:34"],
         ["-m", "tests.test_kernels", "strided"],
         ["-m", "tests.test_kernels", "--watch", "strided"],
     ],
