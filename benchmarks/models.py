@@ -46,6 +46,11 @@ def _trainer(model, loss_of, compile=True, opt=None):
     return step
 
 
+def _loss_of(ours, x, y):
+    """The loop's loss: ours, the next-token loss on T positions (y: x shifted); transformers shifts x itself: T - 1."""
+    return (lambda m: m(x, y)[1]) if ours else (lambda m: m(input_ids=x, labels=x).loss)
+
+
 def _batch(mc, B, T, dev):
     x = torch.randint(0, mc.vocab_size, (B, T + 1), device=dev, generator=torch.Generator(dev).manual_seed(0))
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -109,7 +114,7 @@ def liger_rows(config, batch, steps, warmup, compile, fit):
         model = _hf_model(mc, dev)
         B, T = cfg.batch_size, cfg.block_size
         x, _ = _batch(mc, B, T, dev)
-        step = _trainer(model, lambda m: m(input_ids=x, labels=x).loss, compile)
+        step = _trainer(model, _loss_of(False, x, x), compile)
         for _ in range(warmup):
             step()
         rows = []
@@ -120,7 +125,7 @@ def liger_rows(config, batch, steps, warmup, compile, fit):
                          "peak GiB": round(peak, 2), "loss": round(loss, 4), "versions": versions})  # fmt: skip
         if fit:
             x2, _ = _batch(mc, B // 2, T, dev)
-            step2 = _trainer(model, lambda m: m(input_ids=x2, labels=x2).loss, compile, step.opt)
+            step2 = _trainer(model, _loss_of(False, x2, x2), compile, step.opt)
             rows[0]["peak GiB at half the batch"] = round(_peak_at(step2, 2), 2)
         return rows
     except Exception as e:  # a crash is a result too: say what failed
@@ -166,13 +171,10 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
         f"ours {v}": settings.parse([config, *extra, *(f"--{kv}" for kv in v.split("/"))]).model_config()
         for v in variants
     }
-    loss_of = lambda name, x, y: (
-        (lambda m: m(x, y)[1]) if name != "transformers" else (lambda m: m(input_ids=x, labels=x).loss)
-    )  # ours: the next-token loss on T positions; HF shifts: T - 1 positions
     models = {n: GPT(c, seed=0).to(dev) for n, c in ours.items()} | {"transformers": _hf_model(mc, dev)}
     runs = {}
     for name, model in models.items():
-        step = _trainer(model, loss_of(name, x, y))
+        step = _trainer(model, _loss_of(name != "transformers", x, y))
         for _ in range(warmup):  # compiles, and fills AdamW's state
             step()
         torch.cuda.synchronize()
@@ -204,7 +206,9 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
             row = next(r for r in rows if r["model"] == name)
             try:
                 start = torch.cuda.memory_allocated()
-                peak2 = _peak_at(_trainer(model, loss_of(name, x2, y2), opt=runs[name]["step"].opt), 2)
+                peak2 = _peak_at(
+                    _trainer(model, _loss_of(name != "transformers", x2, y2), opt=runs[name]["step"].opt), 2
+                )
                 row["peak GiB at half the batch"] = _as_alone(peak2, start, runs[name]["resident"])
             except torch.OutOfMemoryError:  # no line
                 row["note"] = "out of memory at half the batch"
@@ -263,12 +267,9 @@ def trains_within(config, trainer, batch, gib, extra=()):
 
         getattr(liger, f"apply_liger_kernel_to_{hf_family(mc)}")()
     x, y = _batch(mc, batch, cfg.block_size, dev)
-    if trainer == "ours":
-        model, loss_of = GPT(mc, seed=0).to(dev), lambda m: m(x, y)[1]
-    else:
-        model, loss_of = _hf_model(mc, dev), lambda m: m(input_ids=x, labels=x).loss
+    model = GPT(mc, seed=0).to(dev) if trainer == "ours" else _hf_model(mc, dev)
     try:
-        return True, round(_peak_at(_trainer(model, loss_of, compile=trainer != "liger"), 1), 2)
+        return True, round(_peak_at(_trainer(model, _loss_of(trainer == "ours", x, y), trainer != "liger"), 1), 2)
     except torch.OutOfMemoryError:
         return False, None
 
@@ -470,10 +471,10 @@ def bench_peer(nanogpt, shapes=tuple(PEER_SHAPES), variants=(), extra=(), peak_f
     table(rows, ["shape", "code", "ms/step", "vs nanoGPT", "vs nanoGPT + clip", "tok/s", "MFU %", "peak GiB"])
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["trains_within"]:  # one probe of bench_fit, a process of its own
-    config, trainer, batch, gib = sys.argv[2:6]
-    print("ROW " + json.dumps(trains_within(config, trainer, int(batch), float(gib), sys.argv[6:])), flush=True)
 if __name__ == "__main__" and sys.argv[1:2] == ["liger"]:  # bench_hf's Liger rows, each in a process of its own
     config, batch, steps, warmup, compile, fit = sys.argv[2:8]
     for row in liger_rows(config, int(batch), int(steps), int(warmup), bool(int(compile)), float(fit)):
         print("ROW " + json.dumps(row), flush=True)
+elif __name__ == "__main__" and sys.argv[1:2] == ["trains_within"]:  # bench_fit's probes, each a process of its own
+    config, trainer, batch, gib = sys.argv[2:6]
+    print("ROW " + json.dumps(trains_within(config, trainer, int(batch), float(gib), sys.argv[6:])), flush=True)

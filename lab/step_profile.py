@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import config as settings
 from benchmarks.common import cuda_time, save, table, trace_kernels
-from benchmarks.models import _batch, _hf_model, _trainer
+from benchmarks.models import _batch, _hf_model, _loss_of, _trainer
 from lab.analysis import _length, _merge
 from lab.peer_profile import kind, short
 
@@ -111,8 +111,8 @@ def main(argv):
     B, T = cfg.batch_size, cfg.block_size
     x, y = _batch(mc, B, T, dev)
     trainers = {
-        "ours": (GPT(mc, seed=0), lambda m: m(x, y)[1]),
-        "transformers": (_hf_model(mc, dev), lambda m: m(input_ids=x, labels=x).loss),
+        "ours": (GPT(mc, seed=0), _loss_of(True, x, y)),
+        "transformers": (_hf_model(mc, dev), _loss_of(False, x, y)),
     }
     seen = {}
     with tempfile.TemporaryDirectory() as tmp:
