@@ -316,7 +316,13 @@ def bench_fit(config, gib, starts, tag="fit", extra=()):
         ran, failed = largest_batch(lambda b: trains(trainer, b), int(start))
         rows.append({"model": trainer, "estimate": int(start), "largest batch that ran": ran,
                      "peak GiB there": peaks.get((trainer, ran)), "smallest that did not": failed})  # fmt: skip
-    save(f"fit_{tag}", rows, config=config, gib=gib, extra=list(extra),
+    versions = {}  # the peers the probes' processes loaded (this one did not)
+    for pkg in ("transformers", "liger-kernel"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    save(f"fit_{tag}", rows, config=config, gib=gib, extra=list(extra), versions=versions,
          note="each trainer alone in a process per batch, the allocator capped at gib GiB (the whole card where "
          "it has less), two steps of bench_hf's loop (compiled; Liger eager); searched one batch at a time from "
          "the estimate")  # fmt: skip

@@ -490,6 +490,31 @@ def test_fit_search_finds_the_largest_batch_that_runs_one_batch_at_a_time(start,
     assert calls == tried
 
 
+def test_fit_records_each_trainers_largest_batch_and_stops_on_a_probe_that_neither_ran_nor_ran_out(
+    tmp_path, monkeypatch
+):
+    """bench_fit over stand-in probe processes: each prints the ROW line trains_within prints (ran or out of
+    memory at batch <= 5); the file holds each trainer's row; a probe that crashed is an error naming it."""
+    import benchmarks.models as bm
+
+    def probe(cmd, **kw):
+        trainer, batch = cmd[5], int(cmd[6])
+        if trainer == "broken":
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback\nImportError: no liger_kernel")
+        row = [True, 10.0 + batch] if batch <= 5 else [False, None]
+        return subprocess.CompletedProcess(cmd, 0, "compiling\nROW " + json.dumps(row) + "\n", "")
+
+    monkeypatch.setattr(bench, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(bm.subprocess, "run", probe)
+    bm.bench_fit("configs/qwen2_5_0_5b.py", 80, ["ours:6", "transformers:3"], tag="t")
+    saved = json.load(open(tmp_path / "fit_t.json"))
+    assert [(r["model"], r["largest batch that ran"], r["peak GiB there"], r["smallest that did not"])
+            for r in saved["rows"]] == [("ours", 5, 15.0, 6), ("transformers", 5, 15.0, 6)]  # fmt: skip
+    assert saved["gib"] == 80 and "versions" in saved
+    with pytest.raises(RuntimeError, match="broken at batch 2: rc 1: ImportError: no liger_kernel"):
+        bm.bench_fit("configs/qwen2_5_0_5b.py", 80, ["broken:2"])
+
+
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 def test_recompute_keeps_less_for_the_backward(family):
     """What a forward keeps for the backward, counted two ways: autograd's saved tensors alone (a hook
