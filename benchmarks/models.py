@@ -316,7 +316,7 @@ def bench_fit(config, gib, starts, tag="fit", extra=()):
         ran, failed = largest_batch(lambda b: trains(trainer, b), int(start))
         rows.append({"model": trainer, "estimate": int(start), "largest batch that ran": ran,
                      "peak GiB there": peaks.get((trainer, ran)), "smallest that did not": failed})  # fmt: skip
-    versions = {}  # the peers the probes' processes loaded (this one did not)
+    versions = {}  # the peers installed here, which the probes' processes load (this one does not)
     for pkg in ("transformers", "liger-kernel"):
         try:
             versions[pkg] = importlib.metadata.version(pkg)
