@@ -15,6 +15,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 RESULTS = os.environ.get("NANOTACO_RESULTS", os.path.join(ROOT, "results"))
 
 
+def peer_versions(loaded_only=False):
+    """{distribution: version} of the peers bench.py times against that are installed here (loaded_only: of
+    those this process imported)."""
+    out = {}
+    for pkg in ("transformers", "liger-kernel"):
+        if loaded_only and pkg.replace("-", "_") not in sys.modules:
+            continue
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 def command():
     """How this process was started, relative to the repository (no machine paths in results)."""
     prog = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
@@ -32,9 +46,7 @@ def environment():
         "machine": platform.machine(),
         "cpu_threads": torch.get_num_threads(),
     }
-    for pkg in ("transformers", "liger_kernel"):  # the peers' versions, where this process loaded them
-        if pkg in sys.modules:
-            env[pkg] = importlib.metadata.version(pkg.replace("_", "-"))
+    env.update({pkg.replace("-", "_"): v for pkg, v in peer_versions(loaded_only=True).items()})
     if torch.cuda.is_available():
         env.update(
             gpu=torch.cuda.get_device_name(),

@@ -1,7 +1,6 @@
 """One GPU, TP=1: our model against transformers' of the same family and shape (hf), and train.py
 against nanoGPT's bench loop (peer)."""
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -10,7 +9,7 @@ import time
 
 import torch
 
-from benchmarks.common import ROOT, save, table
+from benchmarks.common import ROOT, peer_versions, save, table
 
 # -----------------------------------------------------------------------------
 # one GPU, TP=1: our model against transformers' model of the same family and shape
@@ -107,7 +106,7 @@ def liger_rows(config, batch, steps, warmup, compile, fit):
         import liger_kernel.transformers as liger
 
         getattr(liger, f"apply_liger_kernel_to_{hf_family(mc)}")()
-        versions = {p: importlib.metadata.version(p) for p in ("transformers", "liger-kernel")}
+        versions = peer_versions()
     except (ImportError, AttributeError) as e:
         return [{"model": label, "note": f"not run: {type(e).__name__}: {e}"}]
     try:
@@ -316,13 +315,8 @@ def bench_fit(config, gib, starts, tag="fit", extra=()):
         ran, failed = largest_batch(lambda b: trains(trainer, b), int(start))
         rows.append({"model": trainer, "estimate": int(start), "largest batch that ran": ran,
                      "peak GiB there": peaks.get((trainer, ran)), "smallest that did not": failed})  # fmt: skip
-    versions = {}  # the peers installed here, which the probes' processes load (this one does not)
-    for pkg in ("transformers", "liger-kernel"):
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    save(f"fit_{tag}", rows, config=config, gib=gib, extra=list(extra), versions=versions,
+    # the peers' versions: those installed here, which the probes' processes load (this one does not)
+    save(f"fit_{tag}", rows, config=config, gib=gib, extra=list(extra), versions=peer_versions(),
          note="each trainer alone in a process per batch, the allocator capped at gib GiB (the whole card where "
          "it has less), two steps of bench_hf's loop (compiled; Liger eager); searched one batch at a time from "
          "the estimate")  # fmt: skip
