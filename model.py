@@ -161,11 +161,14 @@ class ColumnParallelLinear(nn.Module):
         A = [ A_0 ]   rank 0 computes x A_0^T  (B, T, out/tp)
             [ A_1 ]   rank 1 computes x A_1^T
     `sections` (sizes summing to d_out) splits the output first (QKV: [Q|K|V], SwiGLU: [gate|up])
-    and gives each rank its slice of every section, so rank r owns whole heads of Q, K and V."""
+    and gives each rank its slice of every section, so rank r owns whole heads of Q, K and V. `split`: one
+    output tensor per section (SwiGLU: the backward's pointwise pass then writes the gate's and the up's
+    gradients apart, reading its inputs once; into one tensor, each half reads them again)."""
 
-    def __init__(self, d_in, d_out, comm, bias=True, sections=None):
+    def __init__(self, d_in, d_out, comm, bias=True, sections=None, split=False):
         super().__init__()
         self.comm, self.sections = comm, tuple(sections or (d_out,))
+        self.split = tuple(n // comm.size for n in self.sections) if split else None  # this rank's sections
         self.weight = nn.Parameter(torch.empty(d_out // comm.size, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out // comm.size)) if bias else None
         self.weight.tp_split = True
@@ -177,7 +180,8 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in parts], dim=0)
 
     def forward(self, x):  # x: (B, T, in), sequence parallelism: (B, T/tp, in)
-        return parallel.f(autocast_input(x), autocast_weight(self.weight), self.bias, self.comm)  # (B, T, out/tp)
+        w = autocast_weight(self.weight)
+        return parallel.f(autocast_input(x), w, self.bias, self.comm, self.split)  # (B, T, out/tp), split: a tuple
 
 
 class RowParallelLinear(nn.Module):
@@ -457,14 +461,14 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu, width = cfg.mlp == "swiglu", cfg.intermediate_size
         sections = (width, width) if self.swiglu else (width,)
-        self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections=sections)
+        self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections, split=self.swiglu)
         self.proj = RowParallelLinear(width, cfg.n_embd, comm, cfg.linear_bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = cfg.recompute
 
-    def act(self, h):  # h: (B, T, I/tp); SwiGLU: (B, T, 2I/tp)
+    def act(self, h):  # h: (B, T, I/tp); SwiGLU: (gate, up), each (B, T, I/tp)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
+            gate, up = h
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh")
 

@@ -195,12 +195,17 @@ class TPComm:
         return out.view(t * self.size, B, C).transpose(0, 1).contiguous()
 
 
-def f(x, weight, bias, comm):
+def f(x, weight, bias, comm, sections=None):
     """f, then the column-parallel matmul it precedes: x A^T + b on this rank's output slice (weight
-    None: f alone, for a layer that does its own matmul, the fused LM head and loss)."""
-    if comm.size == 1:
+    None: f alone, for a layer that does its own matmul, the fused LM head and loss). sections: sizes of
+    A's row blocks, for one output tensor each (SwiGLU's gate and up), whose gradients backward reads apart."""
+    if comm.size > 1:
+        return _F.apply(x, weight, bias, comm, sections) if weight is not None else _FAlone.apply(x, comm)
+    if weight is None or sections is None:
         return x if weight is None else F.linear(x, weight, bias)
-    return _F.apply(x, weight, bias, comm) if weight is not None else _FAlone.apply(x, comm)
+    # a matmul each, on slices of A (its split would make the compiled backward keep A's bf16 halves, not cast again)
+    rows = [slice(sum(sections[:i]), sum(sections[: i + 1])) for i in range(len(sections))]
+    return tuple(F.linear(x, weight[r], None if bias is None else bias[r]) for r in rows)
 
 
 def g(x, comm):
@@ -217,30 +222,32 @@ class _F(torch.autograd.Function):
     x arrives in the compute dtype (model.autocast_input); A and b are cast to it, as autocast would."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, comm):
+    def forward(ctx, x, weight, bias, comm, sections):
         if comm.sp:
             x = comm.all_gather_seq(x, "fwd")  # (B, T/tp, C) -> (B, T, C)
         w = weight.to(x.dtype)
         b = None if bias is None else bias.to(x.dtype)
         ctx.save_for_backward(x, w)
-        ctx.comm, ctx.dtypes = comm, (weight.dtype, None if bias is None else bias.dtype)
-        return F.linear(x, w, b)
+        ctx.comm, ctx.dtypes, ctx.sections = comm, (weight.dtype, None if bias is None else bias.dtype), sections
+        y = F.linear(x, w, b)
+        return y if sections is None else y.split(sections, dim=-1)  # split: backward gets the sections' gradients
 
     @staticmethod
-    def backward(ctx, gy):
+    def backward(ctx, *gys):  # one gradient per section
         x, w = ctx.saved_tensors
-        comm = ctx.comm
-        gx = gy @ w  # (..., in): a partial sum
+        comm, ws = ctx.comm, w.split(ctx.sections or w.shape[0])
+        gys = [gy.flatten(0, -2) for gy in gys]  # (tokens, out) each
+        gx = sum((gy @ wi for gy, wi in zip(gys[1:], ws[1:])), start=gys[0] @ ws[0]).view(x.shape)  # a partial sum
         if not comm.sp:
             handle = comm.all_reduce(gx, "bwd", async_op=True)  # start f's all-reduce ...
-        gy2 = gy.reshape(-1, gy.shape[-1])
-        gw = (gy2.t() @ x.reshape(-1, x.shape[-1])).to(ctx.dtypes[0])  # ... these matmuls run meanwhile
-        gb = None if ctx.dtypes[1] is None else gy2.sum(0).to(ctx.dtypes[1])
+        gw = [gy.t() @ x.flatten(0, -2) for gy in gys]  # ... these matmuls run meanwhile
+        gw = (torch.cat(gw) if len(gw) > 1 else gw[0]).to(ctx.dtypes[0])
+        gb = None if ctx.dtypes[1] is None else torch.cat([gy.sum(0) for gy in gys]).to(ctx.dtypes[1])
         if not comm.sp:
             handle.wait()  # gx is the full sum from here on
         else:
             gx = comm.reduce_scatter_seq(gx, "bwd")  # (B, T, C) -> (B, T/tp, C)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 class _FAlone(torch.autograd.Function):

@@ -123,9 +123,11 @@ class EmulatedColumn(nn.Module):
     def __init__(self, layer, comm, t):
         super().__init__()
         self.weight, self.bias, self.comm, self.parts, self.t = layer.weight, layer.bias, comm, layer.sections, t
+        self.split = layer.split  # None, or one tensor per section (SwiGLU)
 
     def forward(self, x):
-        return _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
+        y = _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
+        return y if self.split is None else y.split(self.split, dim=-1)
 
 
 class _EmulatedGrad(torch.autograd.Function):

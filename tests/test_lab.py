@@ -565,15 +565,18 @@ def test_live_at_peak_replays_an_allocator_trace_to_its_peak_and_sums_by_book_li
     assert lines == [("model.py:274 loss", (1, 300)), ("model.py:170 forward", (2, 200)), ("elsewhere", (1, 7))]
 
 
-def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch):
+@pytest.mark.parametrize("family, linears", [("gpt2", 4), ("qwen2", 5)])
+def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch, family, linears):
     """Under bf16 autocast, compiled with min-cut partitioning (as inductor partitions), the forward keeps no bf16
-    copy of a block's weight for the backward (model.autocast_weight); without the mark it keeps one per linear."""
+    copy of a block's weight for the backward (model.autocast_weight), SwiGLU's two halves of one weight included;
+    without the mark it keeps one per matmul."""
     import model
 
     def copies_kept():
-        mc = model.GPTConfig(family="gpt2", vocab_size=96, n_layer=2, n_head=2, n_embd=64, block_size=32)
+        mc = model.GPTConfig(family=family, vocab_size=96, n_layer=2, n_head=2, n_embd=64, block_size=32)
         m = model.GPT(mc, seed=0)
         shapes = {tuple(p.shape) for name, p in m.named_parameters() if name.startswith("h.") and p.dim() == 2}
+        shapes |= {(mc.intermediate_size, mc.n_embd)}  # SwiGLU's gate and up: halves of fc's weight
         x, kept = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(0)), []
         step = torch.compile(m, backend="aot_eager_decomp_partition")
         keep = lambda t: kept.append(t) or t
@@ -584,4 +587,4 @@ def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch):
 
     assert copies_kept() == []
     monkeypatch.setattr(model, "autocast_weight", lambda w: w)
-    assert len(copies_kept()) == 2 * 4  # qkv, attention proj, fc, mlp proj in each of 2 layers
+    assert len(copies_kept()) == 2 * linears  # qkv, attention proj, fc (SwiGLU: gate, up), mlp proj; 2 layers

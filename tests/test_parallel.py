@@ -573,9 +573,11 @@ def test_overlapped_dp_sync_starts_buckets_during_backward(dp):
             torch.testing.assert_close(g, (out[0][2][i] + out[1][2][i]) / 2)
 
 
-def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradient():
+@pytest.mark.parametrize("sections", [None, (2, 4)])
+def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradient(sections):
     """f fused with the matmul: grad_x's all-reduce is STARTED (async) before grad_W and grad_b are
-    computed and waited on before returning; gradients equal nn.functional.linear's autograd."""
+    computed and waited on before returning; gradients equal nn.functional.linear's autograd, also
+    with the output split into one tensor per section (SwiGLU's gate and up)."""
     events = []
 
     class Handle:
@@ -596,9 +598,14 @@ def test_column_parallel_backward_starts_its_all_reduce_before_the_weight_gradie
     w = torch.randn(6, 8, generator=g, requires_grad=True)
     b = torch.randn(6, generator=g, requires_grad=True)
     gy = torch.randn(3, 5, 6, generator=g)
-    parallel.f(x, w, b, Comm()).backward(gy)
+    y = parallel.f(x, w, b, Comm(), sections)
+    if sections:
+        assert [t.shape for t in y] == [(3, 5, 2), (3, 5, 4)]
+        y = torch.cat(y, dim=-1)
+    y.backward(gy)
     ours = (x.grad, w.grad, b.grad)
     x.grad = w.grad = b.grad = None
+    torch.testing.assert_close(y, F.linear(x, w, b))
     F.linear(x, w, b).backward(gy)
     assert events == ["start", "wait"]
     torch.testing.assert_close(ours[0], 2 * x.grad)
