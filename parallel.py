@@ -227,15 +227,15 @@ class _F(torch.autograd.Function):
             x = comm.all_gather_seq(x, "fwd")  # (B, T/tp, C) -> (B, T, C)
         w = weight.to(x.dtype)
         b = None if bias is None else bias.to(x.dtype)
-        ctx.save_for_backward(x, w)
+        ctx.save_for_backward(x, weight)  # not w, an alias of weight when no cast is needed: compile refuses to save it
         ctx.comm, ctx.dtypes, ctx.sections = comm, (weight.dtype, None if bias is None else bias.dtype), sections
         y = F.linear(x, w, b)
         return y if sections is None else y.split(sections, dim=-1)  # split: backward gets the sections' gradients
 
     @staticmethod
     def backward(ctx, *gys):  # one gradient per section
-        x, w = ctx.saved_tensors
-        comm, ws = ctx.comm, w.split(ctx.sections or w.shape[0])
+        x, weight = ctx.saved_tensors
+        comm, ws = ctx.comm, weight.to(x.dtype).split(ctx.sections or weight.shape[0])  # A cast again, sectioned
         gys = [gy.flatten(0, -2) for gy in gys]  # (tokens, out) each
         gx = sum((gy @ wi for gy, wi in zip(gys[1:], ws[1:])), start=gys[0] @ ws[0]).view(x.shape)  # a partial sum
         if not comm.sp:

@@ -283,7 +283,7 @@ def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     """--compile=True with TP=2 and hint8 on every TP all-reduce (the autograd Functions that
     communicate run between compiled regions), the loss in three chunks (48 + 48 + 32 tokens: its
     nested compile regions with the all-reduces between them): the same losses as eager, to float
-    tolerance."""
+    tolerance; also recomputing, and with sequence parallelism (Qwen2: SwiGLU's two outputs)."""
     args = TINY + [
         "--loss_chunk=48",
         "--tp=2",
@@ -299,6 +299,10 @@ def test_torch_compile_with_compressed_tp_matches_eager(tmp_path):
     for r in ("mlp", "pointwise"):
         run(args + ["--compile=True", f"--recompute={r}", f"--out_dir={tmp_path}/{r}"], nproc=2)
         assert losses(str(tmp_path / r))[0] == pytest.approx(losses(str(tmp_path / "eager"))[0], rel=1e-5), r
+    sp = args + ["--sequence_parallel=True", "--family=qwen2", "--tokenizer=gpt2"]  # f's Function all-gathers
+    run(sp + [f"--out_dir={tmp_path}/sp_eager"], nproc=2)
+    run(sp + ["--compile=True", f"--out_dir={tmp_path}/sp"], nproc=2)
+    assert losses(str(tmp_path / "sp"))[0] == pytest.approx(losses(str(tmp_path / "sp_eager"))[0], rel=1e-5)
 
 
 def test_recompute_through_train_py_changes_no_loss(tmp_path):
