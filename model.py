@@ -409,13 +409,12 @@ def rotary(T, cfg, device):
         wavelength = 2 * math.pi / inv_freq
         s = ((n / wavelength - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0 past n / lo, 1 below n / hi
         inv_freq = (1 - s) * inv_freq / cfg.rope_factor + s * inv_freq
-    angles = (torch.arange(T, device=device).float()[:, None] * inv_freq).repeat(1, 2)  # (T, head_dim)
-    return angles.cos(), angles.sin()
+    angles = torch.arange(T, device=device).float()[:, None] * torch.cat((-inv_freq, inv_freq))  # (T, head_dim)
+    return angles.cos(), angles.sin()  # the first half's angles negated: sin(-a) = -sin(a) is rotate_half's sign
 
 
-def apply_rotary(x, cos, sin):  # x: (B, h, T, hd); cos, sin cast to x's dtype (as HF)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+def apply_rotary(x, cos, sin):  # x: (B, T, h, hd), cos, sin: (T, 1, hd), cast to x's dtype (as HF)
+    return x * cos.to(x.dtype) + x.roll(x.shape[-1] // 2, dims=-1) * sin.to(x.dtype)  # HF's (-x2, x1): sin signed
 
 
 class CausalSelfAttention(nn.Module):
@@ -441,13 +440,14 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None):  # x: (B, T, C), with sequence parallelism (B, T/tp, C)
         q, k, v = (
-            rearrange(t, "b t (h d) -> b h t d", d=self.hd)  # (B, h/tp or kv/tp, T, hd)
+            rearrange(t, "b t (h d) -> b t h d", d=self.hd)  # (B, T, h/tp or kv/tp, hd): rotated tokens-major
             for t in self.qkv(x).split(self.local, dim=-1)  # (B, T, (h + 2kv) hd/tp)
         )
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, h, T, hd) views, as attention reads them
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, enable_gqa=self.gqa
         )  # (B, h/tp, T, hd)
@@ -603,7 +603,7 @@ class GPT(nn.Module):
         else:
             x = hidden
         T = x.shape[1] * sp
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if c.positions == "rotary" else None
+        rope = (self.rope_cos[:T, None], self.rope_sin[:T, None]) if c.positions == "rotary" else None
         for block in self.h:
             x = block(x, rope)
         if not self.last:
