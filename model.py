@@ -168,7 +168,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, d_in, d_out, comm, bias=True, sections=None, split=False):
         super().__init__()
         self.comm, self.sections = comm, tuple(sections or (d_out,))
-        self.split = tuple(n // comm.size for n in self.sections) if split else None  # this rank's sections
+        self.local, self.split = tuple(n // comm.size for n in self.sections), split  # this rank's sections
         self.weight = nn.Parameter(torch.empty(d_out // comm.size, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out // comm.size)) if bias else None
         self.weight.tp_split = True
@@ -181,7 +181,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):  # x: (B, T, in), sequence parallelism: (B, T/tp, in)
         w = autocast_weight(self.weight)
-        return parallel.f(autocast_input(x), w, self.bias, self.comm, self.split)  # (B, T, out/tp), split: a tuple
+        sections = self.local if self.split else None
+        return parallel.f(autocast_input(x), w, self.bias, self.comm, sections)  # (B, T, out/tp), split: a tuple
 
 
 class RowParallelLinear(nn.Module):
@@ -425,7 +426,6 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg, comm):
         super().__init__()
         self.hd, self.gqa = cfg.head_dim, cfg.n_kv_head != cfg.n_head
-        self.local = [n // comm.size for n in cfg.qkv_sections]  # this rank's [Q|K|V]: whole heads
         width = sum(cfg.qkv_sections)
         self.qkv = ColumnParallelLinear(cfg.n_embd, width, comm, cfg.qkv_bias, sections=cfg.qkv_sections)
         self.proj = RowParallelLinear(cfg.n_head * cfg.head_dim, cfg.n_embd, comm, cfg.linear_bias)
@@ -441,7 +441,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, rope=None):  # x: (B, T, C), with sequence parallelism (B, T/tp, C)
         q, k, v = (
             rearrange(t, "b t (h d) -> b t h d", d=self.hd)  # (B, T, h/tp or kv/tp, hd): rotated tokens-major
-            for t in self.qkv(x).split(self.local, dim=-1)  # (B, T, (h + 2kv) hd/tp)
+            for t in self.qkv(x).split(self.qkv.local, dim=-1)  # (B, T, (h + 2kv) hd/tp): this rank's whole heads
         )
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -123,11 +123,11 @@ class EmulatedColumn(nn.Module):
     def __init__(self, layer, comm, t):
         super().__init__()
         self.weight, self.bias, self.comm, self.parts, self.t = layer.weight, layer.bias, comm, layer.sections, t
-        self.split = layer.split  # None, or one tensor per section (SwiGLU)
+        self.local, self.split = layer.local, layer.split  # this rank's sections; one tensor each (SwiGLU)?
 
     def forward(self, x):
         y = _EmulatedF.apply(autocast_input(x), self.weight, self.bias, self.comm, self.parts, self.t)
-        return y if self.split is None else y.split(self.split, dim=-1)
+        return y.split(self.local, dim=-1) if self.split else y
 
 
 class _EmulatedGrad(torch.autograd.Function):
