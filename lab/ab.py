@@ -9,10 +9,11 @@ alone, compiled, forward and backward, on the step's tokens, each version twice.
     python -m lab.ab /tmp/before.py configs/qwen2_5_0_5b.py [--steps 10] [-- --key=value]      # GPU
 
 Peak GiB: a block's peak less the other model's resident memory (weights, AdamW state).
-results/ab_<tag>.json.
+results/ab_<tag>.json, with `variant_diff`: the unified diff of the two model.py files (before -> after).
 """
 
 import argparse
+import difflib
 import importlib.util
 import os
 import sys
@@ -32,6 +33,13 @@ def load(path):
     sys.modules[spec.name] = mod  # torch.compile looks the module's globals up by its name
     spec.loader.exec_module(mod)
     return mod
+
+
+def model_diff(before_path):
+    """The unified diff from a model.py of before to the working tree's, as the result file records it."""
+    with open(before_path) as f, open(after.__file__) as g:
+        lines = difflib.unified_diff(f.readlines(), g.readlines(), "before/model.py", "after/model.py")
+    return "".join(lines)
 
 
 def loss_alone(versions, mc, N):
@@ -106,6 +114,7 @@ def main(argv):
         batch=B,
         seq=T,
         steps=a.steps,
+        variant_diff=model_diff(a.before),
         note="before: a model.py loaded beside the working tree's; step: bench.py hf's loop, peak less the other "
         "model's resident memory; head and loss alone: compiled, forward and backward, median of 10 (CUDA events)",
     )

@@ -588,3 +588,15 @@ def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch, fami
     assert copies_kept() == []
     monkeypatch.setattr(model, "autocast_weight", lambda w: w)
     assert len(copies_kept()) == 2 * linears  # qkv, attention proj, fc (SwiGLU: gate, up), mlp proj; 2 layers
+
+
+def test_ab_records_the_diff_from_before_to_the_working_trees_model(tmp_path):
+    from lab import ab
+
+    src = open(os.path.join(ROOT, "model.py")).read()
+    before = tmp_path / "before.py"
+    before.write_text(src.replace("import math\n", "import math  # before\n", 1))
+    diff = ab.model_diff(str(before))
+    assert "-import math  # before\n+import math\n" in diff and diff.startswith("--- before/model.py")
+    before.write_text(src)
+    assert ab.model_diff(str(before)) == ""
