@@ -198,7 +198,7 @@ def test_roundtrip_on_gpu_matches_cpu():
 
 KERNEL_SOURCES = [
     os.path.join(os.path.dirname(os.path.abspath(taco_ext.__file__)), f)
-    for f in taco_ext.SOURCES + ("taco_kernels.h", "taco_kernels_io.cuh", "taco_binding.h")
+    for f in taco_ext.SOURCES + ("taco_kernels.h", "taco_kernels_io.cuh", "taco_kernels_lanes.cuh", "taco_binding.h")
 ]
 
 
