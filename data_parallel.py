@@ -166,9 +166,9 @@ class ZeroAdamW:
         return sq[0], sq[1]
 
     @torch.no_grad()
-    def step(self, lr, coef=1.0):
-        """Steps 3-4 with the clipping coefficient coef."""
-        g = self.grad * coef
+    def step(self, lr, coef=None):
+        """Steps 3-4 with the clipping coefficient coef (None: no clipping)."""
+        g = self.grad if coef is None else self.grad * coef
         self.t += 1
         self.master.mul_(torch.where(self.decay, 1 - lr * self.weight_decay, 1.0))
         self.m.lerp_(g, 1 - self.b1)

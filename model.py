@@ -25,13 +25,13 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.utils.checkpoint import checkpoint
 
 import parallel
+import recompute
+from loss import fused_linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,7 @@ FAMILIES = {
 }
 PARTS = [f.name for f in fields(Family) if f.name != "tokenizer"]
 ROPE_SCALINGS = ("", "llama3")
-# "pointwise": the norms' outputs and the MLP's activation, cheap elementwise passes that torch.compile keeps by
-# default because a matmul of the backward reads them; "mlp": each MLP's fc and activation (its widest tensors; no
-# all-reduce runs again, but sequence parallelism's all-gather before fc does); "block": every block whole (least
-# memory; under TP its all-reduces run again)
-RECOMPUTE = ("", "pointwise", "mlp", "block")
+RECOMPUTE = recompute.POLICIES  # what the backward makes again instead of the forward keeping it (recompute.py)
 
 
 @dataclass
@@ -144,16 +140,6 @@ def autocast_input(x):
     return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
-def autocast_weight(w):
-    """Under autocast, the weight's bf16 copy, which the input gradient's matmul reads in the backward. The cast is
-    marked for recomputation, so the compiled backward makes it again from the fp32 parameter (resident anyway)
-    instead of keeping it from the forward: 2 bytes a parameter less at the peak, one more cast a step. Eager,
-    the matmul itself keeps the copy, as it did."""
-    if not (torch.is_autocast_enabled(w.device.type) and torch.is_grad_enabled()):
-        return w
-    return checkpoint(lambda t: t.to(torch.get_autocast_dtype(t.device.type)), w, use_reentrant=False)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = f(x) A^T + b with A split by output rows; each rank owns out/tp outputs. No
     communication in forward; f all-reduces the input gradient in backward.
@@ -180,7 +166,7 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([s.chunk(self.comm.size, dim=0)[self.comm.rank] for s in parts], dim=0)
 
     def forward(self, x):  # x: (B, T, in), sequence parallelism: (B, T/tp, in)
-        w = autocast_weight(self.weight)
+        w = recompute.autocast_weight(self.weight)
         sections = self.local if self.split else None
         return parallel.f(autocast_input(x), w, self.bias, self.comm, sections)  # (B, T, out/tp), split: a tuple
 
@@ -203,7 +189,9 @@ class RowParallelLinear(nn.Module):
         return full.chunk(self.comm.size, dim=1)[self.comm.rank]
 
     def forward(self, x):  # x: (B, T, in/tp)
-        y = parallel.g(F.linear(x, autocast_weight(self.weight)), self.comm)  # (B, T, out), SP: (B, T/tp, out)
+        y = parallel.g(
+            F.linear(x, recompute.autocast_weight(self.weight)), self.comm
+        )  # (B, T, out), SP: (B, T/tp, out)
         return y if self.bias is None else y + self.bias
 
 
@@ -242,138 +230,15 @@ class LMHead(ColumnParallelLinear):
 
     def loss(self, x, targets, n_real, chunk):
         """Mean cross-entropy of x (B, T, C) against targets (B, T) (-1: ignored) over the n_real real
-        columns, chunk tokens at a time (0: all at once)."""
+        columns, chunk tokens at a time (0: all at once). Vocab-parallel (Megatron's loss): each rank reduces
+        its own columns' logits to a max, a sum of exponentials and the target's logit, per token; two tiny
+        exact all-reduces over TP combine them into log-sum-exp, so no rank ever holds all V logits. Fused
+        with the head (loss.py, an appendix): chunk by chunk of tokens, the gradients made while each chunk's
+        logits exist, so that no (tokens, V/tp) tensor is ever whole either."""
         x = parallel.f(autocast_input(x), None, None, self.comm)  # f alone: its all-reduce of grad_x backward
         return fused_linear_cross_entropy(
             x.flatten(0, -2), self.weight, targets.flatten(), self.comm, n_real, chunk, torch.is_grad_enabled()
         )
-
-
-def fused_linear_cross_entropy(h, weight, targets, comm, n_real, chunk, grads):
-    """The LM head and the mean cross-entropy in one, chunk by chunk of tokens, so that no (tokens, V)
-    tensor ever exists whole (the idea of Liger's and Apple's Cut Cross-Entropy), vocab-parallel
-    (Megatron's loss). h: (N, C), weight: (V/tp, C), targets: (N,). For a chunk's logits z = h A^T on
-    this rank's columns (vocabulary padding at -inf):
-
-        loss   = sum over valid tokens of (log sum_j exp z_j - z_target) / n_valid
-        dz     = (softmax(z) - onehot(target)) * valid / n_valid
-        grad_h = dz A   (a partial sum over TP ranks: f's all-reduce completes it)      grad_A = dz^T h
-
-    Each rank reduces its own columns to a max m_r and S_r = sum exp(z - m_r) and the target's logit
-    (0 on the ranks that do not own it); two per-token all-reduces over TP, tiny and exact (so no
-    codec), combine them: M = max m_r, then sum exp over the vocabulary = sum S_r exp(m_r - M) and the
-    target's logit. The loss is the last thing a step computes, so its gradients are made here, in
-    forward, while each chunk's logits exist (no second pass over the head), with autograd off (else a
-    compiled region also makes, unused, what its own backward would save); HandMadeGrads hands them to
-    backward, which scales them by the incoming gradient (1/micro-batches). grads=False (evaluation):
-    the loss alone.
-
-    A chunk's two halves, before and after the all-reduces, are compiled on their own (nested compile
-    regions, and ops of their own where they write in place): nothing fuses across chunks, so one chunk's
-    logits are live at a time (left to itself, the compiler fuses every chunk's gradient pass into one, after
-    all chunks' logits exist). Its partitioner keeps for the backward whichever is fewer bytes: grad_A in
-    fp32, or the chunks' dz (bf16: when a step has fewer tokens than twice the width C), from which the
-    backward then forms grad_A."""
-    with torch.no_grad():
-        w, N = weight.to(h.dtype), h.shape[0]
-        n_real = max(0, min(n_real - comm.rank * w.shape[0], w.shape[0]))  # this rank's real columns
-        valid = targets >= 0
-        n_valid = valid.sum().clamp(min=1)
-        local = targets - comm.rank * w.shape[0]  # the target's column here
-        mine = (local >= 0) & (local < n_real)
-        local = local.masked_fill(~mine, 0)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
-        for a in range(0, N, chunk or N):
-            b = min(a + (chunk or N), N)
-            z, m, sum_exp, target = _chunk_stats(h[a:b], w, n_real, local[a:b], mine[a:b])
-            if comm.size > 1:
-                m_all = m.clone()
-                dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=comm.group)
-                stats = torch.stack((sum_exp * (m - m_all).exp(), target))
-                dist.all_reduce(stats, group=comm.group)  # sum of exp over the vocabulary, target logit
-                m, sum_exp, target = m_all, stats[0], stats[1]
-            lse = m + sum_exp.log()  # log sum_j exp z_j
-            total += ((lse - target) * valid[a:b]).sum()
-            if grads:
-                s = valid[a:b] / n_valid
-                one = (s * mine[a:b])[:, None]  # the one-hot's weight: 0 where another rank owns the target
-                dz = z  # from here dz's softmax part, written over the logits, which are not needed after
-                torch.ops.nanotaco.softmax_grad_(dz, lse, s)
-                grad_h[a:b] = _chunk_grad_h(dz, one, local[a:b], w)
-                torch.ops.nanotaco.accumulate_mm(grad_w, dz.t(), h[a:b])  # grad_w (V/tp, C) += dz^T h
-                grad_w.index_add_(0, local[a:b], -one * h[a:b].float())  # the one-hot's part: rows of h
-        loss = total / n_valid
-    return HandMadeGrads.apply(loss, h, weight, grad_h, grad_w.to(weight.dtype)) if grads else loss
-
-
-class HandMadeGrads(torch.autograd.Function):
-    """loss, whose gradients with respect to h and weight were made by hand (grad_h, grad_w): backward
-    hands them on, scaled by the incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, loss, h, weight, grad_h, grad_w):
-        ctx.save_for_backward(grad_h, grad_w)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_h, grad_w = ctx.saved_tensors
-        return None, grad_h * grad.to(grad_h.dtype), grad_w * grad, None, None
-
-
-# a function the compiler compiles on its own and never fuses with its neighbours (torch >= 2.8; before, a plain call)
-nested_compile_region = getattr(torch.compiler, "nested_compile_region", lambda fn: fn)
-
-
-@nested_compile_region
-def _chunk_stats(h, w, n_real, local, mine):
-    """A chunk's logits z (n, V/tp) in h's dtype, padding at -inf, and per token this rank's max m,
-    sum exp(z - m) and target logit. m is clamped from below to the lowest finite float so that a rank
-    whose columns are all padding gives sum 0, not exp(-inf + inf) = NaN; a NaN in z still propagates."""
-    z = h @ w.t()
-    if n_real < w.shape[0]:
-        z[:, n_real:] = -torch.inf  # the vocabulary's padding
-    m = z.max(dim=-1).values.float().clamp(min=torch.finfo(torch.float32).min)
-    sum_exp = (z.float() - m[:, None]).exp().sum(dim=-1)
-    return z, m, sum_exp, torch.where(mine, z.gather(1, local[:, None])[:, 0].float(), 0.0)
-
-
-@torch.library.custom_op("nanotaco::softmax_grad_", mutates_args=("z",))
-def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, s: torch.Tensor) -> None:
-    """z := dz's softmax part, exp(z - lse) s, in z's dtype, in place, so that one (n, V/tp) tensor is live,
-    not two. An op of its own: the compiler writes a nested region's result to a new tensor, and loses
-    an in-place write to a region's input; on a GPU it runs a compiled function of its own, which reads
-    and writes z in one pass (eager, a pass per op, through an fp32 copy)."""
-    (_softmax_grad_compiled if z.is_cuda else _softmax_grad)(z, lse, s)
-
-
-def _softmax_grad(z, lse, s):
-    z.copy_(((z.float() - lse[:, None]).exp() * s[:, None]).to(z.dtype))
-
-
-_softmax_grad_compiled = torch.compile(_softmax_grad)
-
-
-@nested_compile_region
-def _chunk_grad_h(dz, one, local, w):
-    """A chunk's share of grad_h, dz A: its softmax part's product, less the one-hot's part, a row of A
-    (one: the one-hot's weight, 0 where another rank owns the target)."""
-    return dz @ w - one * w[local]
-
-
-@torch.library.custom_op("nanotaco::accumulate_mm", mutates_args=("acc",))
-def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, acc in fp32, a and b in fp32 or bf16. On a GPU one GEMM adds into acc as it writes
-    (cuBLAS's beta = 1), not a bf16 product and then a pass over acc; an op of its own because the compiler
-    cannot lower addmm's out_dtype (torch 2.13), which has no CPU kernel."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:
-        acc += (a @ b).to(acc.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -476,14 +341,7 @@ class MLP(nn.Module):
         return self.act(self.fc(x))
 
     def forward(self, x):
-        # mlp: the forward keeps x (B, T, C) instead of fc's output (B, T, 2I/tp with SwiGLU) and what the activation
-        # saves, proj still keeps h; pointwise: it keeps fc's output, and proj's weight gradient reads h made again
-        if self.recompute == "mlp" and self.training:
-            h = checkpoint(self.up, x, use_reentrant=False)
-        elif self.recompute == "pointwise" and self.training:
-            h = checkpoint(self.act, self.fc(x), use_reentrant=False)
-        else:
-            h = self.up(x)
+        h = recompute.mlp_hidden(self, x, self.recompute) if self.recompute and self.training else self.up(x)
         return self.drop(self.proj(h))  # (B, T, I/tp) -> (B, T, C)
 
 
@@ -497,11 +355,6 @@ class Block(nn.Module):
         self.recompute = cfg.recompute
 
     def forward(self, x, rope=None):
-        if self.recompute == "block" and self.training:  # only x is kept; the backward runs this forward again
-            return checkpoint(self.layer, x, rope, use_reentrant=False)
-        return self.layer(x, rope)
-
-    def layer(self, x, rope):
         x = x + self.attn(self.normed(self.ln_1, x), rope)
         return x + self.mlp(self.normed(self.ln_2, x))
 
@@ -509,7 +362,7 @@ class Block(nn.Module):
         """ln(x) as the next matmul reads it (bf16 under autocast); recompute=pointwise: made again in the
         backward from x, which the residual stream keeps anyway, instead of kept beside it."""
         n = lambda t: autocast_input(ln(t))
-        return checkpoint(n, x, use_reentrant=False) if self.recompute == "pointwise" and self.training else n(x)
+        return recompute.again(n, x) if self.recompute == "pointwise" and self.training else n(x)
 
 
 # -----------------------------------------------------------------------------
@@ -604,8 +457,8 @@ class GPT(nn.Module):
             x = hidden
         T = x.shape[1] * sp
         rope = (self.rope_cos[:T, None], self.rope_sin[:T, None]) if c.positions == "rotary" else None
-        for block in self.h:
-            x = block(x, rope)
+        for block in self.h:  # recompute=block: only x is kept; the backward runs the block's forward again
+            x = recompute.again(block, x, rope) if c.recompute == "block" and self.training else block(x, rope)
         if not self.last:
             return x, None
         if targets is not None:

@@ -24,6 +24,7 @@ import checkpoint
 import config
 import data_parallel
 import hf
+import optim
 import parallel
 import runlog
 import taco
@@ -41,11 +42,12 @@ def get_lr(it, cfg):
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
-def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
+def clip_grad_norm(params, max_norm, grid, zero=None):
     """Global gradient norm over the whole (sharded, staged) model: the squares of TP-split parameters
     summed over the TP group, replicated ones counted once, then every pipeline stage's sum added (the
-    last stage's copy of the tied embedding not twice). Scales the gradients to norm <= max_norm; with ZeRO
-    (`zero`) the squares come from its DP-reduced slices and its step scales. Returns (norm, scale)."""
+    last stage's copy of the tied embedding not twice); with ZeRO (`zero`) the squares come from its
+    DP-reduced slices. Returns (norm, coef): the optimizer's step scales the gradients by coef, so that their
+    norm is <= max_norm (coef None: max_norm 0, no clipping). The gradients themselves are left as they are."""
     dev = params[0].device
     if zero is not None:
         sq, repl_sq = zero.reduce_grads()
@@ -61,54 +63,8 @@ def clip_grad_norm(params, max_norm, grid, zero=None, opt=None):
     if grid.pp > 1:
         dist.all_reduce(sq, group=grid.pp_group)
     norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else torch.ones_like(norm)
-    if zero is None and isinstance(opt, ClipAdamW):
-        opt.coef = coef  # its step reads each gradient times coef
-    elif zero is None and max_norm > 0 and getattr(opt, "defaults", {}).get("fused"):
-        opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # fused AdamW divides by it as it reads
-    elif zero is None and max_norm > 0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], coef)
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0) if max_norm > 0 else None
     return norm, coef
-
-
-@torch.compile(fullgraph=True)
-def adamw_(ps, grads, ms, vs, coef, s, beta1, beta2, eps):
-    """torch.optim.AdamW's update of one parameter group in place, each gradient read times the clip's coef;
-    s = [1 - lr * weight_decay, -lr / (1 - beta1^t), sqrt(1 - beta2^t)], a tensor, so that a new lr or step
-    compiles nothing. Compiled, one pass reads p, grad, m, v and writes p, m, v: the least a clipped AdamW can
-    move (fused AdamW, clipping by its grad_scale, also writes every gradient back, divided)."""
-    g = torch._foreach_mul(grads, coef)
-    torch._foreach_mul_(ps, s[0])  # decoupled weight decay
-    torch._foreach_lerp_(ms, g, 1 - beta1)  # m = beta1 m + (1 - beta1) g
-    torch._foreach_mul_(vs, beta2)
-    torch._foreach_addcmul_(vs, g, g, 1 - beta2)  # v = beta2 v + (1 - beta2) g^2
-    denom = torch._foreach_add_(torch._foreach_div_(torch._foreach_sqrt(vs), s[2]), eps)
-    torch._foreach_addcdiv_(ps, torch._foreach_mul(ms, s[1]), denom)  # p -= lr m_hat / (sqrt(v_hat) + eps)
-
-
-class ClipAdamW(torch.optim.AdamW):
-    """torch.optim.AdamW (its groups, state and checkpoints) whose step runs adamw_ with the coef that
-    clip_grad_norm left it: on a GPU with compile on, one compiled pass per group instead of fused AdamW's pass
-    and its write-back."""
-
-    coef = 1.0  # the clip's coefficient (a tensor, set by clip_grad_norm before each step)
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            state = [self.state[p] for p in ps]
-            for p, st in zip(ps, state):
-                if not st:
-                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                st["step"] += 1  # on the CPU, as torch's own AdamW keeps it
-            (b1, b2), t, lr = group["betas"], state[0]["step"].item(), group["lr"]
-            s = [1 - lr * group["weight_decay"], -lr / (1 - b1**t), math.sqrt(1 - b2**t)]
-            s = torch.tensor(s).to(ps[0].device, non_blocking=True)  # no sync: the host never waits on the GPU
-            ms, vs = [st["exp_avg"] for st in state], [st["exp_avg_sq"] for st in state]
-            adamw_(ps, [p.grad for p in ps], ms, vs, self.coef, s, b1, b2, group["eps"])
 
 
 # -----------------------------------------------------------------------------
@@ -212,17 +168,9 @@ def setup(cfg, model_hook=None):
     return r
 
 
-def param_groups(params, weight_decay):
-    """AdamW's two groups: weight decay on the 2-D weights only (not on norms, biases)."""
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
 def build_optimizer(r):
-    """AdamW (weight decay on 2-D weights only; on a GPU ClipAdamW with compile on, else fused AdamW), with DP
-    gradient averaging, or ZeRO-1's sharded AdamW."""
+    """AdamW (weight decay on 2-D weights only; which AdamW a device takes: optim.py), with DP gradient averaging,
+    or ZeRO-1's sharded AdamW."""
     cfg, grid, params = r.cfg, r.grid, r.params
     if cfg.zero1:
         r.zero = r.opt = data_parallel.ZeroAdamW(
@@ -248,11 +196,8 @@ def build_optimizer(r):
             stats=r.dp_stats,
             overlap=cfg.dp_overlap,
         )
-    groups, betas = param_groups(params, cfg.weight_decay), (cfg.beta1, cfg.beta2)
-    if r.use_cuda and cfg.compile:
-        r.opt = ClipAdamW(groups, lr=cfg.learning_rate, betas=betas)
-    else:
-        r.opt = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=betas, fused=r.use_cuda)
+    betas = (cfg.beta1, cfg.beta2)
+    r.opt = optim.adamw(params, cfg.learning_rate, betas, cfg.weight_decay, r.use_cuda, cfg.compile)
 
 
 def mean_loss(r, split, it, n, train):
@@ -316,11 +261,11 @@ def train_step(r, it):
         r.dpsync.finish()  # first: it writes the DP averages over .grad (the sums below commute)
     parallel.sync_replicated_grads(r.params, r.comm)
     parallel.sync_tied_grads(r.model, grid)
-    gnorm, coef = clip_grad_norm(r.params, cfg.grad_clip, grid, r.zero, r.opt)
+    gnorm, coef = clip_grad_norm(r.params, cfg.grad_clip, grid, r.zero)
     if r.zero is not None:  # ZeRO-1: reduce-scatter, clip, step, all-gather
         r.zero.step(lr, coef)
     else:
-        r.opt.step()
+        r.opt.step(coef)  # the step applies the clip as it reads the gradients (optim.py)
         r.opt.zero_grad(set_to_none=True)
     if grid.dp > 1:
         dist.all_reduce(loss, group=grid.dp_group)

@@ -29,13 +29,13 @@ import config
 import taco
 import train
 from lab import tahquant  # noqa: F401  (the codec `tahquant`, for the study)
+from loss import fused_linear_cross_entropy
 from model import (
     ColumnParallelLinear,
     LMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     autocast_input,
-    fused_linear_cross_entropy,
 )
 
 

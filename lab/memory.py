@@ -30,6 +30,7 @@ import torch
 
 import config as settings
 import model as book
+import recompute
 from benchmarks.common import ROOT, save, split_at_dashes, table
 from benchmarks.models import _batch, _trainer
 
@@ -88,7 +89,9 @@ def measure(cfg, name, steps, warmup=4, budget=1.0):
     return row  # the model, its optimizer and their memory go with this frame
 
 
-def live_at_peak(trace, root=ROOT, book=("model.py", "parallel.py", "taco.py", "train.py")):
+def live_at_peak(
+    trace, root=ROOT, book=("model.py", "parallel.py", "taco.py", "train.py", "loss.py", "optim.py", "recompute.py")
+):
     """Replay an allocator trace (torch.cuda.memory._snapshot()["device_traces"][0]) to its peak: bytes of
     the blocks live there, summed by the innermost frame in a book file under root ("file:line function"), largest
     first. The peak is of the bytes allocated since the trace began, less the frees of blocks from before it."""
@@ -148,12 +151,12 @@ def kept_for_backward(mc, name, batch, seq):
         return checkpoint(fn, *args, **kw)
 
     x = torch.randint(0, mc.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-    checkpoint, book.checkpoint = book.checkpoint, noted
+    checkpoint, recompute.checkpoint = recompute.checkpoint, noted
     try:
         with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t), torch.autocast("cpu", torch.bfloat16):
             model(x, x)
     finally:
-        book.checkpoint = checkpoint
+        recompute.checkpoint = checkpoint
     return sum(kept.values())
 
 

@@ -20,6 +20,7 @@ import torch
 
 import config as settings
 import model as book
+import optim
 import train
 from benchmarks.common import save, split_at_dashes, table
 
@@ -27,18 +28,18 @@ from benchmarks.common import save, split_at_dashes, table
 def variants(params, cfg):
     """{name: step()}: each with its own optimizer state over the same parameters and gradients."""
     grid = train.parallel.Grid(tp=1, pp=1, dp=1)
-    groups = lambda: train.param_groups(params, cfg.weight_decay)
+    groups = lambda: optim.param_groups(params, cfg.weight_decay)
     kw = dict(lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2))
-    ours, fused, theirs, floor = (train.ClipAdamW(groups(), **kw), *(
-        torch.optim.AdamW(groups(), fused=True, **kw) for _ in range(3)))  # fmt: skip
+    ours = optim.ClipAdamW(groups(), **kw)
+    fused = optim.AdamW(groups(), fused=True, **kw)
+    theirs = torch.optim.AdamW(groups(), fused=True, **kw)
+    floor = torch.optim.AdamW(groups(), fused=True, **kw)
 
     def clip_ours():
-        train.clip_grad_norm(params, cfg.grad_clip, grid, opt=ours)
-        ours.step()
+        ours.step(train.clip_grad_norm(params, cfg.grad_clip, grid)[1])
 
     def clip_fused():
-        train.clip_grad_norm(params, cfg.grad_clip, grid, opt=fused)
-        fused.step()
+        fused.step(train.clip_grad_norm(params, cfg.grad_clip, grid)[1])
 
     def clip_nanogpt():
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

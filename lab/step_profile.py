@@ -50,7 +50,7 @@ def profiled(step, steps, path):
 def head_rows(mc, N, chunks, step_ms):
     """The LM head and its loss alone on N tokens: forward and backward, compiled (ms, share of the step)."""
     import parallel
-    from model import fused_linear_cross_entropy
+    from loss import fused_linear_cross_entropy
 
     dev, V, C = torch.device("cuda"), mc.padded_vocab, mc.n_embd
     g = torch.Generator(dev).manual_seed(0)

@@ -568,9 +568,10 @@ def test_live_at_peak_replays_an_allocator_trace_to_its_peak_and_sums_by_book_li
 @pytest.mark.parametrize("family, linears", [("gpt2", 4), ("qwen2", 5)])
 def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch, family, linears):
     """Under bf16 autocast, compiled with min-cut partitioning (as inductor partitions), the forward keeps no bf16
-    copy of a block's weight for the backward (model.autocast_weight), SwiGLU's two halves of one weight included;
+    copy of a block's weight for the backward (recompute.autocast_weight), SwiGLU's two halves of one weight included;
     without the mark it keeps one per matmul."""
     import model
+    import recompute
 
     def copies_kept():
         mc = model.GPTConfig(family=family, vocab_size=96, n_layer=2, n_head=2, n_embd=64, block_size=32)
@@ -586,7 +587,7 @@ def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch, fami
         return [t.shape for t in kept if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes]
 
     assert copies_kept() == []
-    monkeypatch.setattr(model, "autocast_weight", lambda w: w)
+    monkeypatch.setattr(recompute, "autocast_weight", lambda w: w)
     assert len(copies_kept()) == 2 * linears  # qkv, attention proj, fc (SwiGLU: gate, up), mlp proj; 2 layers
 
 

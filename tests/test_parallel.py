@@ -12,6 +12,7 @@ import model
 import parallel
 import taco
 from launcher import run_ranks
+from loss import fused_linear_cross_entropy
 from model import GPT, ColumnParallelLinear, GPTConfig, RowParallelLinear
 
 
@@ -204,7 +205,7 @@ def test_compiled_the_fused_loss_and_its_gradients_are_the_eager_ones(dtype, N):
     w = (torch.randn(256, 32, generator=g) * 0.1).requires_grad_()
     t = torch.randint(0, 200, (N,), generator=g)
     t[::5] = -1
-    fn = lambda h, w: model.fused_linear_cross_entropy(h, w, t, parallel.TPComm(), 200, N // 4, True)
+    fn = lambda h, w: fused_linear_cross_entropy(h, w, t, parallel.TPComm(), 200, N // 4, True)
     out = {}
     for name, f in (("eager", fn), ("compiled", torch.compile(fn))):
         h.grad = w.grad = None
@@ -229,7 +230,7 @@ def test_the_fused_loss_in_bf16_on_a_gpu_is_the_unfused_within_bf16s_tolerance(c
     w = (torch.randn(V, C, device=dev, generator=g) * 0.05).requires_grad_()
     t = torch.randint(0, real, (N,), device=dev, generator=g)
     t[::7] = -1
-    fn = lambda h, w: model.fused_linear_cross_entropy(h, w, t, parallel.TPComm(), real, 1000, True)
+    fn = lambda h, w: fused_linear_cross_entropy(h, w, t, parallel.TPComm(), real, 1000, True)
     loss = (torch.compile(fn) if compiled else fn)(h, w)
     loss.backward()
     h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()

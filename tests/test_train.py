@@ -73,6 +73,7 @@ def test_compressed_tp2_tracks_uncompressed(tmp_path):
 def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
     """A fused AdamW takes the clip as its grad_scale (the gradients divided as it reads them):
     the same update as scaling the gradients first, to fp32 rounding."""
+    import optim
     import train
 
     grid = train.parallel.Grid(tp=1, pp=1, dp=1)
@@ -84,13 +85,14 @@ def test_clipping_folded_into_a_fused_adamw_step_is_clipping(max_norm):
         p.grad = torch.randn_like(p) * 3
         q.grad = p.grad.clone()
     # eps=1: the update depends on the gradients' scale (Adam's first step with a small eps barely does)
-    plain, fused = torch.optim.AdamW(ps, lr=1e-2, eps=1.0), torch.optim.AdamW(qs, lr=1e-2, eps=1.0, fused=True)
-    n1, _ = train.clip_grad_norm(ps, max_norm, grid, opt=plain)
-    n2, _ = train.clip_grad_norm(qs, max_norm, grid, opt=fused)
-    assert n1 == n2 and hasattr(fused, "grad_scale") and not hasattr(plain, "grad_scale")
+    plain, fused = optim.AdamW(ps, lr=1e-2, eps=1.0), optim.AdamW(qs, lr=1e-2, eps=1.0, fused=True)
+    n1, c1 = train.clip_grad_norm(ps, max_norm, grid)
+    n2, c2 = train.clip_grad_norm(qs, max_norm, grid)
+    assert n1 == n2 and torch.equal(c1, c2)
+    plain.step(c1)
+    fused.step(c2)
+    assert hasattr(fused, "grad_scale") and not hasattr(plain, "grad_scale")
     assert (fused.grad_scale > 1) == (max_norm < n1)
-    plain.step()
-    fused.step()
     for p, q, b in zip(ps, qs, before):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
         assert (p - b).abs().max() > 1e-5  # the step moved them
@@ -101,6 +103,7 @@ def test_clip_adamw_is_torch_adamw_after_clipping(max_norm):
     """ClipAdamW's compiled step with the clip's coefficient (clip_grad_norm hands it over): torch.optim.AdamW's
     steps on gradients clipped first, to fp32 rounding, both parameter groups (weight decay on one), the state
     where torch keeps it."""
+    import optim
     import train
 
     grid = train.parallel.Grid(tp=1, pp=1, dp=1)
@@ -111,18 +114,21 @@ def test_clip_adamw_is_torch_adamw_after_clipping(max_norm):
     groups = lambda w: [{"params": w[:1], "weight_decay": 0.1}, {"params": w[1:], "weight_decay": 0.0}]
     # eps=1e-3: the update depends on the gradients' scale (Adam's first step with a small eps barely does)
     theirs = torch.optim.AdamW(groups(ps), lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
-    ours = train.ClipAdamW(groups(qs), lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
+    ours = optim.ClipAdamW(groups(qs), lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
     for step in range(3):
         for p, q in zip(ps, qs):
             p.grad = torch.randn_like(p) * 3
             q.grad = p.grad.clone()
         grads = [q.grad.clone() for q in qs]
-        n1, _ = train.clip_grad_norm(ps, max_norm, grid, opt=theirs)
-        n2, coef = train.clip_grad_norm(qs, max_norm, grid, opt=ours)
+        n1, c1 = train.clip_grad_norm(ps, max_norm, grid)
+        n2, coef = train.clip_grad_norm(qs, max_norm, grid)
+        if c1 is not None:  # torch's AdamW: the gradients clipped first, as torch.nn.utils.clip_grad_norm_ does
+            torch._foreach_mul_([p.grad for p in ps], c1)
         assert n1 == n2 and all(torch.equal(q.grad, g) for q, g in zip(qs, grads))  # ours reads them unscaled
-        assert (coef < 1) == (max_norm > 0)
+        assert (coef is not None and coef < 1) == (max_norm > 0)
         theirs.step()
-        ours.step()
+        ours.step(coef)
+        assert all(torch.equal(q.grad, g) for q, g in zip(qs, grads))  # and its step leaves them unscaled
         for p, q, b in zip(ps, qs, before):
             torch.testing.assert_close(q, p, rtol=0, atol=1e-6)
             assert (q - b).abs().max() > 1e-5  # the step moved them
