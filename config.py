@@ -29,7 +29,7 @@ import parallel
 import taco
 import taco_ext
 from data.loader import check_tokens, read_meta
-from model import FAMILIES, PARTS, RECOMPUTE, ROPE_SCALINGS, GPTConfig
+from model import FAMILIES, PART_VALUES, PARTS, RECOMPUTE, ROPE_SCALINGS, GPTConfig
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Settings:
     init_from: str = ""  # a Hugging Face folder (config.json and weights): the model's family, shape and weights
     tokenizer: str = ""  # the data's tokenizer: "" = the family's (gpt2 | qwen2 | llama3 | a folder's)
     # model: a family chooses the parts (model.FAMILIES), the numbers below give the shape
-    family: str = "gpt2"  # gpt2 | qwen2 | llama (also SmolLM2, Mistral) | qwen3
+    family: str = "gpt2"  # gpt2 | qwen2 | llama (Llama 3, SmolLM2) | qwen3 | mistral
     vocab_size: int = 50257  # rows of the token embedding: GPT-2's tokenizer 50257, Qwen2's 151936
     n_layer: int = 4  # transformer blocks
     n_head: int = 4  # attention heads (a multiple of tp)
@@ -133,7 +133,24 @@ class Settings:
     def as_dict(self):
         return dataclasses.asdict(self)
 
+    def codecs_in_use(self, ways):
+        """The codecs this run can use: those set for a group of 2+ ranks (ways: group -> its ranks), auto as the
+        8-bit codec it may choose."""
+        return [
+            "hint8" if getattr(self, k) == "auto" else getattr(self, k)
+            for group, keys in CODEC_SETTINGS.items()
+            for k in keys
+            if getattr(self, k) and ways[group] > 1
+        ]
 
+
+# the settings that name a codec, by the group whose traffic it compresses
+CODEC_SETTINGS = {
+    "tp": ("tp_codec", "tp_codec_bwd", "tp_codec_embed", "tp_codec_attn", "tp_codec_mlp"),
+    "dp": ("dp_codec",),
+    "zero": ("zero_codec",),
+    "pp": ("pp_codec", "pp_codec_bwd"),
+}
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 TYPES = typing.get_type_hints(Settings)
 
@@ -165,9 +182,7 @@ def refuse(message):
 
 CHOICES = {
     "family": tuple(FAMILIES),
-    "norm": ("layernorm", "rmsnorm"),
-    "positions": ("learned", "rotary"),
-    "mlp": ("gelu", "swiglu"),
+    **PART_VALUES,
     "rope_scaling": ROPE_SCALINGS,
     "recompute": RECOMPUTE,
     "device": ("auto", "cpu", "cuda"),
@@ -343,9 +358,7 @@ def check_values(cfg):
         raise ConfigError(f"codec_block={b} must be a power of two in [32, 1024]")
     if cfg.tp_auto_bits not in (8, 6):
         raise ConfigError(f"tp_auto_bits={cfg.tp_auto_bits}: 8 (auto may choose hint8) or 6 (also hint6)")
-    for k in ("tp_codec", "tp_codec_bwd", "tp_codec_embed", "tp_codec_attn", "tp_codec_mlp", "dp_codec"):
-        check_codec(cfg, k)
-    for k in ("pp_codec", "pp_codec_bwd", "zero_codec"):
+    for k in (k for keys in CODEC_SETTINGS.values() for k in keys):
         check_codec(cfg, k)
 
 

@@ -360,7 +360,7 @@ def to_hf(full, mc):
         t = t[: mc.vocab_size] if name in ("wte.weight", "lm_head.weight") else t
         names = hf_names(name, mc)
         if len(names) > 1:
-            parts = t.split(mc.qkv_sections if ".attn.qkv." in name else (mc.intermediate_size,) * 2)
+            parts = t.split(mc.qkv_sections if ".attn.qkv." in name else mc.fc_sections)
         else:
             parts = [t]
         for n, p in zip(names, parts):

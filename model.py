@@ -53,9 +53,12 @@ FAMILIES = {
     "qwen2": Family("rmsnorm", "rotary", "swiglu", True, False, False, qk_norm=False, tokenizer="qwen2"),
     "llama": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=False, tokenizer="llama3"),
     "qwen3": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=True, tokenizer="qwen2"),
-    "mistral": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=False, tokenizer=""),  # a folder's
+    # Mistral's tokenizer is not one of data/tokenizer.py's: a run reads the folder's own tokenizer.json
+    "mistral": Family("rmsnorm", "rotary", "swiglu", False, False, False, qk_norm=False, tokenizer=""),
 }
 PARTS = [f.name for f in fields(Family) if f.name != "tokenizer"]
+# the values a part of a string type may take (config.py's choices read them)
+PART_VALUES = {"norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rotary"), "mlp": ("gelu", "swiglu")}
 ROPE_SCALINGS = ("", "llama3")
 RECOMPUTE = recompute.POLICIES  # what the backward makes again instead of the forward keeping it (recompute.py)
 
@@ -111,11 +114,18 @@ class GPTConfig:
         get = s.get if isinstance(s, dict) else lambda k, default: getattr(s, k, default)
         return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
 
-    padded_vocab = property(lambda self: -(-self.vocab_size // 128) * 128)  # rows of the embedding
+    @property
+    def padded_vocab(self):  # rows of the embedding and the LM head: the vocabulary padded to a multiple of 128
+        return -(-self.vocab_size // 128) * 128
 
     @property
     def qkv_sections(self):  # the fused QKV's output sections [Q | K | V]
         return tuple(n * self.head_dim for n in (self.n_head, self.n_kv_head, self.n_kv_head))
+
+    @property
+    def fc_sections(self):  # the MLP's fc output sections: SwiGLU's [gate | up], each of the MLP's width, or one
+        width = self.intermediate_size
+        return (width, width) if self.mlp == "swiglu" else (width,)
 
     def num_params(self, non_embedding=True):
         """Parameters of the whole model (unsharded, counted on a model without storage);
@@ -153,8 +163,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, d_in, d_out, comm, bias=True, sections=None, split=False):
         super().__init__()
-        self.comm, self.sections = comm, tuple(sections or (d_out,))
-        self.local, self.split = tuple(n // comm.size for n in self.sections), split  # this rank's sections
+        self.comm = comm
+        self.sections = tuple(sections or (d_out,))
+        self.local = tuple(n // comm.size for n in self.sections)  # this rank's sections
+        self.split = split
         self.weight = nn.Parameter(torch.empty(d_out // comm.size, d_in))
         self.bias = nn.Parameter(torch.zeros(d_out // comm.size)) if bias else None
         self.weight.tp_split = True
@@ -250,7 +262,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim, eps):
         super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
 
     def forward(self, x):
         h = x.float()
@@ -290,7 +303,8 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg, comm):
         super().__init__()
-        self.hd, self.gqa = cfg.head_dim, cfg.n_kv_head != cfg.n_head
+        self.hd = cfg.head_dim
+        self.gqa = cfg.n_kv_head != cfg.n_head
         width = sum(cfg.qkv_sections)
         self.qkv = ColumnParallelLinear(cfg.n_embd, width, comm, cfg.qkv_bias, sections=cfg.qkv_sections)
         self.proj = RowParallelLinear(cfg.n_head * cfg.head_dim, cfg.n_embd, comm, cfg.linear_bias)
@@ -324,10 +338,10 @@ class MLP(nn.Module):
 
     def __init__(self, cfg, comm):
         super().__init__()
-        self.swiglu, width = cfg.mlp == "swiglu", cfg.intermediate_size
-        sections = (width, width) if self.swiglu else (width,)
+        self.swiglu = cfg.mlp == "swiglu"
+        sections = cfg.fc_sections
         self.fc = ColumnParallelLinear(cfg.n_embd, sum(sections), comm, cfg.linear_bias, sections, split=self.swiglu)
-        self.proj = RowParallelLinear(width, cfg.n_embd, comm, cfg.linear_bias)
+        self.proj = RowParallelLinear(cfg.intermediate_size, cfg.n_embd, comm, cfg.linear_bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = cfg.recompute
 
@@ -419,7 +433,7 @@ class GPT(nn.Module):
             b = owned.get(i)
             yield b and b.attn.qkv, "weight", (sum(c.qkv_sections), C), 0.02
             yield b and b.attn.proj, "weight", (C, c.n_head * c.head_dim), proj_std
-            yield b and b.mlp.fc, "weight", ((2 if c.mlp == "swiglu" else 1) * I, C), 0.02
+            yield b and b.mlp.fc, "weight", (sum(c.fc_sections), C), 0.02
             yield b and b.mlp.proj, "weight", (C, I), proj_std
         if not c.tie_embeddings:
             yield getattr(self, "lm_head", None), "weight", (c.padded_vocab, C), 0.02
@@ -443,7 +457,8 @@ class GPT(nn.Module):
         Returns (logits, loss) on the last stage: with targets the loss alone (None, loss: the head
         fused with it); without, this rank's vocabulary slice of the logits (B, 1, V_padded/tp) of the
         last position (all_positions: of every one). Other stages return (hidden state, None)."""
-        c, sp = self.config, self.comm.size if self.comm.sp else 1
+        c = self.config
+        sp = self.comm.size if self.comm.sp else 1  # sequence parallelism: each rank holds T / sp positions
         if self.first:
             B, T = idx.shape
             assert T <= c.block_size, f"sequence length {T} > block_size {c.block_size}"

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import runlog
 import taco
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -130,7 +129,7 @@ class TPComm:
     codec_block: int = 256  # elements per codec block
     chunks: int = 1
     min_bytes: int = 0
-    stats: runlog.CommStats = field(default_factory=runlog.CommStats)
+    stats: taco.CommStats = field(default_factory=taco.CommStats)
     sp: bool = False  # sequence parallelism: activations outside the TP blocks are (B, T/tp, C)
     transport: str = "auto"  # taco.TRANSPORTS: auto | dist (NCCL, gloo) | symm (symmetric memory)
     site_codecs: dict = field(default_factory=dict)
@@ -228,14 +227,17 @@ class _F(torch.autograd.Function):
         w = weight.to(x.dtype)
         b = None if bias is None else bias.to(x.dtype)
         ctx.save_for_backward(x, weight)  # not w, an alias of weight when no cast is needed: compile refuses to save it
-        ctx.comm, ctx.dtypes, ctx.sections = comm, (weight.dtype, None if bias is None else bias.dtype), sections
+        ctx.comm = comm
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.sections = sections
         y = F.linear(x, w, b)
         return y if sections is None else y.split(sections, dim=-1)  # split: backward gets the sections' gradients
 
     @staticmethod
     def backward(ctx, *gys):  # one gradient per section
         x, weight = ctx.saved_tensors
-        comm, ws = ctx.comm, weight.to(x.dtype).split(ctx.sections or weight.shape[0])  # A cast again, sectioned
+        comm = ctx.comm
+        ws = weight.to(x.dtype).split(ctx.sections or weight.shape[0])  # A cast again, sectioned
         gys = [gy.flatten(0, -2) for gy in gys]  # (tokens, out) each
         gx = sum((gy @ wi for gy, wi in zip(gys[1:], ws[1:])), start=gys[0] @ ws[0]).view(x.shape)  # a partial sum
         if not comm.sp:
@@ -366,7 +368,9 @@ def run_pipeline(
     prev, nxt = grid.rank - grid.tp, grid.rank + grid.tp
     cd_f = taco.get_codec(codec, codec_block)
     cd_b = taco.get_codec(codec if codec_bwd is None else codec_bwd, codec_block)
-    inputs, outputs, sends, total = {}, {}, [], None
+    inputs, outputs = {}, {}  # microbatch -> this stage's input and output, kept for its backward
+    sends = []  # (work, buffer) of every send in flight
+    total = None  # the summed loss (last stage)
 
     def trace(msg):
         if verbose:

@@ -8,32 +8,9 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-
-@dataclass
-class CommStats:
-    """Bytes this rank put on the wire vs what an uncompressed ring all-reduce would have sent (the
-    collectives of taco.py add to it, the step line prints it)."""
-
-    calls: int = 0
-    wire_bytes: int = 0
-    logical_bytes: int = 0
-
-    def add(self, wire, logical):
-        self.calls += 1
-        self.wire_bytes += int(wire)
-        self.logical_bytes += int(logical)
-
-    def reset(self):
-        self.calls = self.wire_bytes = self.logical_bytes = 0
-
-    @property
-    def ratio(self):
-        return self.logical_bytes / self.wire_bytes if self.wire_bytes else 1.0
 
 
 class Output:

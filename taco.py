@@ -240,7 +240,11 @@ class Codec:
             raise ValueError(f"unknown codec {name!r}; choose one of {sorted(CODECS)} or 'none'")
         if codec_block < 32 or codec_block > 1024 or codec_block & (codec_block - 1):
             raise ValueError(f"codec_block={codec_block} must be a power of two in [32, 1024]")
-        self.name, self.spec, self.block, self.tau, self.eps = name, CODECS[name], codec_block, tau, eps
+        self.name = name
+        self.spec = CODECS[name]
+        self.block = codec_block
+        self.tau = tau
+        self.eps = eps
         self.bits, self.qmax = BITS[self.spec.fmt], QMAX[self.spec.fmt]
         self.nmeta = int(self.spec.adaptive) + int(self.spec.scale == "block")
         self.inv_sqrt_block = float(torch.tensor(1.0 / math.sqrt(codec_block), dtype=torch.float32))  # as fp32
@@ -425,6 +429,28 @@ def codec_names():
 # the compressed collectives
 
 
+@dataclass
+class CommStats:
+    """Bytes this rank put on the wire vs what an uncompressed ring all-reduce would have sent (the
+    collectives below add to it, the step line prints it)."""
+
+    calls: int = 0
+    wire_bytes: int = 0
+    logical_bytes: int = 0
+
+    def add(self, wire, logical):
+        self.calls += 1
+        self.wire_bytes += int(wire)
+        self.logical_bytes += int(logical)
+
+    def reset(self):
+        self.calls = self.wire_bytes = self.logical_bytes = 0
+
+    @property
+    def ratio(self):
+        return self.logical_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+
 def load_kernels(names, codec_block, device):
     """Build and load the fused kernels (local rank 0 builds) if a codec in `names` runs on them on `device`."""
     if device.type == "cuda" and any(taco_ext.supports(get_codec(n, codec_block)) for n in names):
@@ -469,8 +495,10 @@ def all_reduce(
     if ws is not None:
         return ws.all_reduce(x, cd, stats, async_op)
     # steps 1-6 of the module docstring over torch.distributed, chunk by chunk
-    n, flat = x.numel(), x.contiguous().view(-1)  # a copy only if x is not contiguous
-    pending, wire = [], 0
+    n = x.numel()
+    flat = x.contiguous().view(-1)  # a copy only if x is not contiguous
+    pending = []  # per chunk: (a, b, L, the all-to-all's work, its receive buffer)
+    wire = 0  # bytes this rank sends
     for a, b in _plan_chunks(n, W, cd.block, chunks):
         # === 1. W shards of L elements (whole blocks);  2. compress each: (W, S) bytes, message r for rank r ===
         L = cd.padded(cdiv(b - a, W))
@@ -506,7 +534,8 @@ def all_reduce(
     return x
 
 
-_AGREED, _DTYPES = set(), [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_AGREED = set()  # (group, codec, block, numel, dtype) whose ranks were checked to agree
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # a dtype's code in that check
 
 
 def _check(x, group, cd, chunks=1):

@@ -2,8 +2,8 @@
 The fused CUDA kernels (taco_kernels.cu), JIT-built on first use into build/taco_kernels, and the
 calls into them. taco.Codec calls the binding's encode / decode / reduce_encode (load().encode(...))
 for CUDA tensors of a codec that supports() covers; taco_symm.py calls its two_shot (the whole
-symmetric-memory all-reduce, given a TwoShotPlan filled by name) and the helpers below, whose
-messages sit in the peers' symmetric memory.
+symmetric-memory all-reduce, given a TwoShotPlan filled by name) and its helpers for messages in the peers'
+symmetric memory (taco_symm.py wraps them). Beside the loader: what a GPU route lacks (gpu_missing), in one line.
 
 A codec reaches the kernels as one named struct, TacoParams (taco_kernels.h; taco_binding.cpp
 exposes it as ext.Params with the same field names): params() below fills it by name.
@@ -39,7 +39,7 @@ class Pending:
 
 
 def supports(cd):
-    """The kernels are built for B = 256 and for the (format, rotation, scale) of the codecs in
+    """The kernels are built for blocks of 256 elements and for the (format, rotation, scale) of the codecs in
     taco.CODECS with a block scale or none: rotated + block scale in E4M3, E5M2, INT8, INT6 (taco,
     its variants, hint8, hint6), and E4M3 also rotated without a scale (ash) and unrotated (ds, fp8);
     taco_kernels.cu's kernels() has one instantiation each. The per-tensor-scale ablations
@@ -164,34 +164,3 @@ def params(cd, L):
     p.tau, p.eps, p.inv_sqrt_block, p.qmax = cd.tau, cd.eps, cd.inv_sqrt_block, cd.qmax
     p.L, p.S = L, cd.nbytes(L)
     return p
-
-
-# messages at raw device addresses (the peers' symmetric memory): results into `out`
-def decode_peers(cd, ptrs, L, out):
-    return load().decode_peers(ptrs, out, params(cd, L))
-
-
-def messages(ptrs):
-    """The binding's form of messages at raw device addresses, built once and reused."""
-    return load().Msgs(ptrs)
-
-
-def signal_pads(ptrs):
-    """The binding's form of the ranks' signal pads (a symmetric-memory handle's signal_pad_ptrs)."""
-    return load().Pads(ptrs)
-
-
-def barrier(pads, me, channel):
-    """A barrier of the ranks on the current stream (taco_symm.cu: PyTorch's flags and protocol)."""
-    return load().barrier(pads, me, channel)
-
-
-def on_side(side, join, fn):
-    """fn() with stream `side` (its (id, device, type)) current, after the current stream's work so
-    far; join: the current stream waits for what fn queued (else later: join_stream)."""
-    return load().on_side(side, join, fn)
-
-
-def join_stream(side):
-    """The current stream waits for what was queued on stream `side` so far."""
-    return load().join_stream(side)

@@ -89,7 +89,7 @@ __device__ __forceinline__ void stage_group(uint4* st, int lane, unsigned after,
   }
 }
 
-// the staged group's values, layout A; returns `after`
+// the staged group's values, layout io; returns `after`
 __device__ __forceinline__ unsigned unstage_group(const uint4* st, int lane, int dt, float (&v)[GROUP][E]) {
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncwarp();                                  // fp32: the chunks other lanes copied

@@ -32,6 +32,37 @@ import taco_ext
 _WORKSPACES = {}
 
 
+# the binding's calls on messages in the peers' symmetric memory
+def decode_peers(cd, ptrs, L, out):
+    return taco_ext.load().decode_peers(ptrs, out, taco_ext.params(cd, L))
+
+
+def messages(ptrs):
+    """The binding's form of messages at raw device addresses, built once and reused."""
+    return taco_ext.load().Msgs(ptrs)
+
+
+def signal_pads(ptrs):
+    """The binding's form of the ranks' signal pads (a symmetric-memory handle's signal_pad_ptrs)."""
+    return taco_ext.load().Pads(ptrs)
+
+
+def barrier(pads, me, channel):
+    """A barrier of the ranks on the current stream (taco_symm.cu: PyTorch's flags and protocol)."""
+    return taco_ext.load().barrier(pads, me, channel)
+
+
+def on_side(side, join, fn):
+    """fn() with stream `side` (its (id, device, type)) current, after the current stream's work so
+    far; join: the current stream waits for what fn queued (else later: join_stream)."""
+    return taco_ext.load().on_side(side, join, fn)
+
+
+def join_stream(side):
+    """The current stream waits for what was queued on stream `side` so far."""
+    return taco_ext.load().join_stream(side)
+
+
 def shard(cd, n, W):
     """(L, S): the elements and bytes of each of the W messages of an all-reduce of n elements."""
     L = cd.padded(-(-n // W))
@@ -41,14 +72,14 @@ def shard(cd, n, W):
 def make_plan(cd, n, me, buf, ptrs, pads, side):
     """The binding's TwoShotPlan for rank me's all-reduce of n elements, filled by name: my buffer buf
     (a uint8 tensor of at least (W + 1) * S bytes: my sends, then my shard), every rank's buffer
-    address (ptrs), the signal pads (taco_ext.signal_pads) and the stream (its (id, device, type)).
+    address (ptrs), the signal pads (signal_pads) and the stream (its (id, device, type)).
     Workspace makes one per size; a test makes two on one GPU, ranks in one process."""
     W = len(ptrs)
     L, S = shard(cd, n, W)
     plan = taco_ext.load().TwoShotPlan()
     plan.sends, plan.shard = buf[: W * S], buf[W * S : (W + 1) * S]
-    plan.mine = taco_ext.messages([q + me * S for q in ptrs])  # my message in every rank's sends
-    plan.every = taco_ext.messages([q + W * S for q in ptrs])  # every rank's shard
+    plan.mine = messages([q + me * S for q in ptrs])  # my message in every rank's sends
+    plan.every = messages([q + W * S for q in ptrs])  # every rank's shard
     plan.pads, plan.me, plan.p, plan.side = pads, me, taco_ext.params(cd, L), side
     return plan
 
@@ -80,7 +111,7 @@ def _why_not(x, group, has_kernels):
     if not x.is_cuda:
         return "the tensor is not on a GPU"
     if not has_kernels:
-        return "the codec has no fused kernel (the B=256 block codecs have)"
+        return "the codec has no fused kernel (the block codecs of 256 elements have)"
     if dist.get_world_size(group) > taco_ext.MAX_PEERS:
         return f"more than {taco_ext.MAX_PEERS} ranks"
     if env("LOCAL_WORLD_SIZE") is None:
@@ -117,7 +148,7 @@ class Workspace:
     Why no call can overwrite what a peer still reads: every read of a rank's sends comes before a
     barrier that its owner passes before writing them again; a shard is written only after the call's
     first barrier, which a peer reaches only after it finished reading the previous shards. The barrier
-    (taco_ext.barrier: the flags and protocol of symm_mem's own) consumes its signals (raise:
+    (barrier: the flags and protocol of symm_mem's own) consumes its signals (raise:
     0 -> 1 on the peer, lower: 1 -> 0 on mine), so a stale flag from an earlier call cannot
     satisfy a later one, also when a CUDA graph replays it.
     Growing the buffer is collective (every rank makes the same calls with the same sizes) and
@@ -130,7 +161,12 @@ class Workspace:
         self.W, self.me = dist.get_world_size(group), dist.get_rank(group)
         self.stream = torch.cuda.Stream(device)
         self.side = (self.stream.stream_id, self.stream.device_index, self.stream.device_type)  # for the binding
-        self.buf, self.hdl, self.ptrs, self.pads, self.retired, self.plans = None, None, [], None, [], {}
+        self.buf = None  # this rank's symmetric buffer (reserve)
+        self.hdl = None  # its rendezvous handle: the peers' buffers and signal pads
+        self.ptrs = []  # the peers' buffers' addresses
+        self.pads = None  # the peers' signal pads, as the binding takes them (signal_pads)
+        self.retired = []  # outgrown buffers, kept: a peer may still read them
+        self.plans = {}  # (numel, codec) -> its TwoShotPlan (make_plan), made once per buffer
 
     def reserve(self, nbytes):
         if self.buf is not None and self.buf.numel() >= nbytes:
@@ -153,14 +189,14 @@ class Workspace:
         self.buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         self.hdl = symm_mem.rendezvous(self.buf, self.group_name)
         self.ptrs = [int(p) for p in self.hdl.buffer_ptrs]
-        self.pads = taco_ext.signal_pads([int(p) for p in self.hdl.signal_pad_ptrs])
+        self.pads = signal_pads([int(p) for p in self.hdl.signal_pad_ptrs])
 
     @torch.compiler.disable  # streams and raw addresses: run eagerly, also inside torch.compile
     def run(self, fn, async_op, then=None):
         """fn() on this workspace's stream, ordered after the caller's stream (the binding's on_side,
         the one way onto it); the caller's stream waits for it now, or at handle.wait() (async_op:
         other work meanwhile, e.g. the weight-gradient matmuls), and then runs then()."""
-        taco_ext.on_side(self.side, not async_op, fn)
+        on_side(self.side, not async_op, fn)
         return self._joined(async_op, then)
 
     def _joined(self, async_op, then):
@@ -172,7 +208,7 @@ class Workspace:
             return None
 
         def done():
-            taco_ext.join_stream(self.side)
+            join_stream(self.side)
             if then is not None:
                 then()
 
@@ -207,7 +243,7 @@ class Workspace:
         """Uncompressed: PyTorch's own symmetric-memory two-shot all-reduce, the fastest
         uncompressed one inside a node and so a baseline to beat. Its input must live in symmetric
         memory: flat is copied in, and the sum is written back to flat (one extra copy of the
-        tensor, which the compressed path avoids: its encode kernel reads flat and writes A)."""
+        tensor, which the compressed path avoids: its encode kernel reads flat and writes my sends)."""
         n, esize = flat.numel(), flat.element_size()
         npad = -(-n // (16 // esize)) * (16 // esize)  # the op wants 16-byte multiples: zero padding
         nbytes = npad * esize
@@ -239,9 +275,9 @@ class Workspace:
 
         def fn():
             taco_ext.load().encode(x.contiguous(), M, taco_ext.params(cd, L), self.buf[: M * S])
-            taco_ext.barrier(self.pads, self.me, 0)
-            taco_ext.decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
-            taco_ext.barrier(self.pads, self.me, 1)  # nobody rewrites its sends before all have read them
+            barrier(self.pads, self.me, 0)
+            decode_peers(cd, [p + msg * S for p in self.ptrs], L, out.view(-1))
+            barrier(self.pads, self.me, 1)  # nobody rewrites its sends before all have read them
 
         self.run(fn, async_op=False)
         return out, S

@@ -90,8 +90,8 @@ class Run:
     opt: object = None  # AdamW, or ZeRO-1's sharded AdamW (build_optimizer)
     zero: object = None  # with zero1: that data_parallel.ZeroAdamW, else None
     dpsync: object = None  # dp > 1 without ZeRO: data_parallel.DPGradSync (its buckets), else None
-    dp_stats: runlog.CommStats = field(default_factory=runlog.CommStats)  # bytes of the DP gradient syncs
-    pp_stats: runlog.CommStats = field(default_factory=runlog.CommStats)  # bytes between pipeline stages
+    dp_stats: taco.CommStats = field(default_factory=taco.CommStats)  # bytes of the DP gradient syncs
+    pp_stats: taco.CommStats = field(default_factory=taco.CommStats)  # bytes between pipeline stages
     it0: int = 0  # the first iteration: 0, or the resumed checkpoint set's
     resumed_from: str = None  # the checkpoint set resumed from, or None
     run_id: str = ""  # the run's id, the same across resumes (checkpoint.new_run_id)
@@ -113,12 +113,7 @@ def setup(cfg, model_hook=None):
     }[cfg.dtype]
     torch.manual_seed(cfg.seed)
     ways = {"tp": grid.tp, "dp": grid.dp, "zero": grid.dp, "pp": grid.pp}  # a codec acts where its group has 2+ ranks
-    codecs = [
-        "hint8" if v == "auto" else v
-        for k, v in cfg.as_dict().items()
-        if "_codec" in k and v and ways[k.split("_")[0]] > 1
-    ]
-    taco.load_kernels(codecs, cfg.codec_block, dev)  # if a codec runs on them (local rank 0 builds)
+    taco.load_kernels(cfg.codecs_in_use(ways), cfg.codec_block, dev)  # if a codec runs on them (local rank 0 builds)
     comm = parallel.TPComm(
         group=grid.tp_group,
         size=grid.tp,
@@ -335,7 +330,8 @@ def train(r):
                     f"--grad_clip, or --tp_codec=none to rule out the codec."
                 )
             stopping = stop.agreed(grid, r.dev)  # a signal on any rank: every rank saves here, then ends
-            evaluating, saving = evaluating and not stopping, saving or (stopping and cfg.ckpt_interval >= 0)
+            evaluating = evaluating and not stopping
+            saving = saving or (stopping and cfg.ckpt_interval >= 0)
         if logging:
             if r.use_cuda:
                 torch.cuda.synchronize()

@@ -283,8 +283,8 @@ def bench_host(sizes_mb=(4, 64), tag="host"):
             ("hint8 symm all-reduce, eager", lambda: ws.all_reduce(x, cd, None, False)),
             ("  its binding call alone (a graph)", lambda: ext.two_shot(x, plan)),
             ("  the binding call, five launches", lambda: ext.two_shot(x, plan, replay=False)),
-            ("  onto its stream and back, nothing run", lambda: taco_ext.on_side(ws.side, True, lambda: None)),
-            ("  one barrier launch", lambda: taco_ext.barrier(ws.pads, 0, 0)),
+            ("  onto its stream and back, nothing run", lambda: taco_symm.on_side(ws.side, True, lambda: None)),
+            ("  one barrier launch", lambda: taco_symm.barrier(ws.pads, 0, 0)),
             ("hint8 symm all-reduce, async + wait", lambda: ws.all_reduce(x, cd, None, True).wait()),
             (
                 "taco.all_reduce's checks before it",

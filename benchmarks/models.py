@@ -138,6 +138,10 @@ def hf_family(mc):
     return hf.MODEL_TYPE[mc.family]
 
 
+# the Hugging Face model types Liger Kernel patches (its apply_liger_kernel_to_<model type>); GPT-2 is not one
+LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def _liger_in_a_process(config, batch, steps, warmup, compile, fit):
     cmd = [sys.executable, "-m", "benchmarks.models", "liger", config, str(batch), str(steps), str(warmup),
            str(int(compile)), str(fit)]  # fmt: skip
@@ -214,7 +218,7 @@ def bench_hf(config, steps=20, warmup=5, batch=0, tag="hf", liger=True, fit=0.0,
                 torch.cuda.empty_cache()
     del models, runs
     torch.cuda.empty_cache()
-    if liger and mc.family != "gpt2":
+    if liger and hf_family(mc) in LIGER_MODEL_TYPES:
         for compile in (False, True):
             rows += _liger_in_a_process(config, B, steps, warmup, compile, fit)
     mean = lambda n: sum(r["ms/step"] for r in rows if r["model"] == n) / 2

@@ -89,9 +89,11 @@ def measure(cfg, name, steps, warmup=4, budget=1.0):
     return row  # the model, its optimizer and their memory go with this frame
 
 
-def live_at_peak(
-    trace, root=ROOT, book=("model.py", "parallel.py", "taco.py", "train.py", "loss.py", "optim.py", "recompute.py")
-):
+# the files whose lines a block is attributed to: the route's Python and its appendices
+BOOK = ("model.py", "parallel.py", "taco.py", "train.py", "loss.py", "optim.py", "recompute.py")
+
+
+def live_at_peak(trace, root=ROOT, book=BOOK):
     """Replay an allocator trace (torch.cuda.memory._snapshot()["device_traces"][0]) to its peak: bytes of
     the blocks live there, summed by the innermost frame in a book file under root ("file:line function"), largest
     first. The peak is of the bytes allocated since the trace began, less the frees of blocks from before it."""

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import runlog
 import taco
 from lab.emulate import emulated_all_reduce
 from launcher import run_ranks
@@ -16,7 +15,7 @@ def _all_reduce(rank, world, n, codec, chunks, dtype):
     x = realistic(n, seed=rank).to(dtype)
     ref = x.clone()
     dist.all_reduce(ref)
-    stats = runlog.CommStats()
+    stats = taco.CommStats()
     out = taco.all_reduce(x.clone(), codec=codec, chunks=chunks, stats=stats)
     return out, ref, stats
 

@@ -43,6 +43,22 @@ def test_help_lists_every_setting_with_its_default_and_comment():
         assert ast.literal_eval(default) == defaults[key[2:]], line
 
 
+def test_every_model_field_is_a_setting_and_every_part_value_a_choice():
+    """A field added to GPTConfig is a setting of the same name and type (model_config reads them by name), and a
+    part's values declared beside Family (model.PART_VALUES) are the choices config.py checks: one place each."""
+    import model
+
+    settings = {f.name: f for f in dataclasses.fields(config.Settings)}
+    for f in dataclasses.fields(GPTConfig):
+        assert f.name in settings, f"GPTConfig.{f.name} has no setting in config.Settings"
+        types = {f.type, f.type | None} if isinstance(f.type, type) else {f.type}
+        assert settings[f.name].type in types, (f.name, f.type, settings[f.name].type)
+    for part, values in model.PART_VALUES.items():
+        assert part in model.PARTS and config.CHOICES[part] == values
+    for family in model.FAMILIES.values():
+        assert all(getattr(family, part) in values for part, values in model.PART_VALUES.items())
+
+
 def test_config_file_is_checked_like_the_command_line(tmp_path):
     f = tmp_path / "c.py"
     f.write_text("max_iters = 20\nn_layers = 2\n")

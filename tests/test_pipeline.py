@@ -6,7 +6,7 @@ import os
 import pytest
 
 import parallel
-import runlog
+import taco
 from test_train import ROOT, losses, run
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "golden_losses.json")
@@ -275,7 +275,7 @@ def _pipeline_codecs(rank, world):
         h.register_hook(lambda grad: seen.setdefault("grad_sent", grad.clone()))
         return None, (h.pow(3) * 0.01).sum()
 
-    stats = runlog.CommStats()
+    stats = taco.CommStats()
     parallel.run_pipeline(
         parallel.pipeline_schedule("1f1b", 1, rank, 2),
         forward,

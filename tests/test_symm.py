@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import runlog
 import taco
 import taco_ext
 from launcher import run_ranks
@@ -47,7 +46,7 @@ def _symm_cases(rank, world):
     for i, (codec, n, dtype) in enumerate(cases):
         x = _data(n, dtype, i, rank)
         a, b = x.clone(), x.clone()
-        sa, sb = runlog.CommStats(), runlog.CommStats()
+        sa, sb = taco.CommStats(), taco.CommStats()
         taco.all_reduce(a, codec=codec, transport="dist", stats=sa)
         taco.all_reduce(b, codec=codec, transport="symm", stats=sb)
         out[f"ar {codec} {n} {dtype}"] = (
@@ -220,7 +219,7 @@ def test_two_ranks_on_one_gpu():
     W = 2
     bufs = [torch.zeros(1 << 23, dtype=torch.uint8, device="cuda") for _ in range(W)]
     pad_mem = [torch.zeros(2 * W, dtype=torch.int32, device="cuda") for _ in range(W)]  # channels 0, 1
-    pads = taco_ext.signal_pads([p.data_ptr() for p in pad_mem])
+    pads = taco_symm.signal_pads([p.data_ptr() for p in pad_mem])
     streams = [torch.cuda.Stream() for _ in range(W)]
     sides = [(s.stream_id, s.device_index, s.device_type) for s in streams]
     cases = [
@@ -246,7 +245,7 @@ def test_two_ranks_on_one_gpu():
                     time.sleep(0.2)
                     assert not streams[0].query(), f"{how}: rank 0 passed the barrier alone"
             for side in sides:
-                taco_ext.join_stream(side)
+                taco_symm.join_stream(side)
             torch.cuda.synchronize()
             for r in range(W):
                 same = torch.equal(_fingerprint(ys[r]), _fingerprint(ref))
