@@ -12,6 +12,7 @@ import difflib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -247,6 +248,8 @@ def typed(key, value, where):
     allowed = typing.get_args(want) if isinstance(want, types.UnionType) else (want,)
     if float in allowed and type(value) is int:
         value = float(value)
+    if float in allowed and isinstance(value, str) and value.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+        raise ConfigError(f"{where}: a finite number is needed (the default is {FIELDS[key].default!r})")
     if type(value) not in allowed:
         names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
         raise ConfigError(
@@ -336,7 +339,8 @@ def check_values(cfg):
         value = getattr(cfg, key)
         if value not in choices and not (value is None and key in PARTS):
             extra = " (float16 would need loss scaling; bfloat16 has fp32's range)" if value == "float16" else ""
-            raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, choices))}{extra}")
+            said = ", ".join("''" if c == "" else str(c) for c in choices)  # the empty choice shown, not skipped
+            raise ConfigError(f"{key}={value!r}: choose one of {said}{extra}")
     for low, keys in AT_LEAST.items():
         for k in keys:
             if getattr(cfg, k) < low:
@@ -347,6 +351,10 @@ def check_values(cfg):
     for k in POSITIVE:
         if not getattr(cfg, k) > 0:
             raise ConfigError(f"{k}={getattr(cfg, k)} must be > 0")
+    for k, t in TYPES.items():  # a config file can give float("nan"), which no range above refuses
+        if float in (typing.get_args(t) or (t,)) and isinstance(getattr(cfg, k), float):
+            if not math.isfinite(getattr(cfg, k)):
+                raise ConfigError(f"{k}={getattr(cfg, k)}: a finite number is needed")
     if cfg.rope_scaling == "llama3" and not cfg.rope_high_freq > cfg.rope_low_freq:
         raise ConfigError(f"rope_high_freq={cfg.rope_high_freq} must be > rope_low_freq={cfg.rope_low_freq}")
     if cfg.eval_interval and cfg.eval_iters < 1:
@@ -489,7 +497,7 @@ def check(cfg, world, local_world=None):
             check_tokens(data_dir(cfg), split, cfg.block_size, mc.vocab_size)
         check_data_tokenizer(cfg, read_meta(data_dir(cfg)))
     except ValueError as e:
-        raise ConfigError(f"{e} ({prepare_hint(cfg)} writes it)") from None
+        raise ConfigError(f"{e} (to write it: {prepare_hint(cfg)})") from None
     return dp
 
 
@@ -523,17 +531,22 @@ def check_data_tokenizer(cfg, meta):
     if theirs != identity(cfg.tokenizer):
         raise ConfigError(
             f"{data_dir(cfg)} holds {meta.get('tokenizer')} tokens, but this {cfg.family} model reads "
-            f"{cfg.tokenizer}'s: prepare the data with --tokenizer={cfg.tokenizer} (data/prepare.py), or pass "
+            f"{cfg.tokenizer}'s: prepare the data for it ({prepare_hint(cfg)}), or pass "
             f"--tokenizer={meta.get('tokenizer')} to train this model on those ids on purpose"
         )
 
 
 def prepare_hint(cfg):
-    """The data/prepare.py command that writes the dataset the settings name."""
+    """The data/prepare.py command that writes the dataset the settings name. A built-in corpus for another
+    tokenizer than GPT-2's gets a name of its own (small_llama3), with the --dataset that reads it, so that
+    following the hint never replaces the GPT-2 dataset the CPU demo reads."""
     corpus, _, _ = cfg.dataset.partition("_")
     tok = "" if cfg.tokenizer == "gpt2" else f" --tokenizer={cfg.tokenizer}"
+    if cfg.dataset in ("small", "large") and tok:
+        own = f"{cfg.dataset}_{os.path.basename(cfg.tokenizer.rstrip('/'))}"
+        return f"python data/prepare.py {own} --corpus={cfg.dataset}{tok}, and train with --dataset={own}"
     if cfg.dataset in ("small", "large"):
-        return f"python data/prepare.py {cfg.dataset}{tok}"
+        return f"python data/prepare.py {cfg.dataset}"
     if corpus in ("small", "large"):
         return f"python data/prepare.py {cfg.dataset} --corpus={corpus}{tok}"
     return f"python data/prepare.py {cfg.dataset} --files <your text>{tok}"

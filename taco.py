@@ -536,11 +536,13 @@ def all_reduce(
 
 _AGREED = set()  # (group, codec, block, numel, dtype) whose ranks were checked to agree
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # a dtype's code in that check
+_GLOO_GROUPS = set()  # the gloo groups a collective here used: their ranks meet at exit (_destroy_groups)
 
 
 def _check(x, group, cd, chunks=1):
     """Refuse what the codecs cannot carry; the first time a group sees a codec, size and dtype, one small
-    all-gather checks that every rank passes the same (else a rank decodes the others' bytes wrongly)."""
+    all-gather checks that every rank passes the same (else a rank decodes the others' bytes wrongly). A gloo
+    group, with any codec, is also noted for the exit (_destroy_groups)."""
     if cd is not IDENTITY and not x.is_floating_point():
         raise TypeError(
             f"taco: a {x.dtype} tensor cannot go through the lossy {cd.name!r} codec; "
@@ -548,39 +550,58 @@ def _check(x, group, cd, chunks=1):
         )
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"taco: chunks={chunks!r} must be a positive integer")
-    key = (group or dist.group.WORLD, cd.name, getattr(cd, "block", 0), x.numel(), x.dtype)
-    if cd is not IDENTITY and key not in _AGREED and dist.is_initialized() and dist.get_world_size(group) > 1:
-        mine = torch.tensor([codec_names().index(cd.name), key[2], key[3], _DTYPES.index(x.dtype)], device=x.device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, mine, group=group)
-        if any(not torch.equal(e, mine) for e in every):
-            said = "; ".join(
-                f"rank {r}: {codec_names()[c]!r}, block {b}, {n} x {_DTYPES[d]}"
-                for r, (c, b, n, d) in enumerate(e.tolist() for e in every)
-            )
-            raise RuntimeError(
-                f"taco: the ranks of a group pass different codecs, block sizes, element counts or "
-                f"dtypes to one collective ({said}); every rank must pass the same"
-            )
-        _AGREED.add(key)
-        if dist.get_backend(group) == "gloo":
-            atexit.unregister(_destroy_groups)  # registered once
-            atexit.register(_destroy_groups)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    g = group or dist.group.WORLD
+    if g not in _GLOO_GROUPS and dist.get_backend(g) == "gloo":
+        _GLOO_GROUPS.add(g)
+        atexit.unregister(_destroy_groups)  # registered once
+        atexit.register(_destroy_groups)
+    key = (g, cd.name, getattr(cd, "block", 0), x.numel(), x.dtype)
+    if cd is IDENTITY or key in _AGREED:
+        return
+    mine = torch.tensor([codec_names().index(cd.name), key[2], key[3], _DTYPES.index(x.dtype)], device=x.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(e, mine) for e in every):
+        said = "; ".join(
+            f"rank {r}: {codec_names()[c]!r}, block {b}, {n} x {_DTYPES[d]}"
+            for r, (c, b, n, d) in enumerate(e.tolist() for e in every)
+        )
+        raise RuntimeError(
+            f"taco: the ranks of a group pass different codecs, block sizes, element counts or "
+            f"dtypes to one collective ({said}); every rank must pass the same"
+        )
+    _AGREED.add(key)
 
 
 def _destroy_groups():
-    """At interpreter exit (gloo), every group taco.all_reduce used waits at a barrier, then the process
-    groups are destroyed. A rank that leaves while a peer still exchanges the last all-gather's bytes
-    with it tears down gloo's transport under that work ("terminate called without an active exception",
-    SIGABRT, in 8 of 25 runs of three ranks that destroy without a barrier, none with one). The groups in
-    one order on every rank (no crossed waits); the barrier gives up after 10 s (a peer that died or is
-    still busy: then the exit is as it was without this hook)."""
+    """At interpreter exit, for a script that did not destroy its process groups: every gloo group a collective
+    here used (any codec) meets at a barrier, then every rank meets once more through the job's store, then the
+    process groups are destroyed. A gloo rank that leaves while a peer still exchanges bytes with it (a
+    collective's, or the barrier's own last message) tears down gloo's transport under that work ("terminate
+    called without an active exception", SIGABRT); so does a job whose groups are torn down by the interpreter's
+    exit rather than destroyed (torch's own all_reduce included). The store's meeting (its own connection, not
+    gloo's) makes sure that no rank closes a gloo connection before every rank has received the barrier's last
+    message. The groups in one order on every rank (no crossed waits); each wait gives up after 60 s (a peer
+    that died or is still busy: then the exit is as it was without this hook)."""
     if not dist.is_initialized():
         return
-    groups = {tuple(dist.get_process_group_ranks(key[0])): key[0] for key in _AGREED}
+    wait = datetime.timedelta(seconds=60)
+    groups = {}
+    for g in _GLOO_GROUPS:
+        try:
+            groups[tuple(dist.get_process_group_ranks(g))] = g
+        except (ValueError, RuntimeError):
+            pass  # a group of a process group destroyed since
+    store = dist.distributed_c10d._get_default_store()
     try:
         for ranks in sorted(groups):
-            dist.monitored_barrier(groups[ranks], timeout=datetime.timedelta(seconds=10))
+            dist.monitored_barrier(groups[ranks], timeout=wait)
+        for ranks in sorted(groups):  # the group's ranks meet in the store: the last to come lets all go
+            if store.add(f"taco_exit_{ranks}", 1) == len(ranks):
+                store.set(f"taco_exit_{ranks}_all", "1")
+            store.wait([f"taco_exit_{ranks}_all"], wait)
     except RuntimeError:
         return  # a peer is gone: nothing left to wait for
     dist.destroy_process_group()

@@ -29,9 +29,35 @@ def read_meta(folder):
     return meta
 
 
+def width_of(n_vocab):
+    """The token files' dtype for a vocabulary of n_vocab ids."""
+    return "uint16" if n_vocab <= 1 << 16 else "uint32"
+
+
 def token_dtype(folder):
-    """The dtype of a dataset's token files: meta.json's, else uint16 (nanoGPT's convention)."""
-    return read_meta(folder).get("dtype", "uint16")
+    """The dtype of a dataset's token files: meta.json's dtype; where a meta.json names none, the width its
+    vocab_size or its tokenizer needs (uint32 past 65,536 ids); no meta.json at all: uint16 (nanoGPT's
+    convention). A meta.json that names none of the three is refused: the width of its files is unknown."""
+    meta = read_meta(folder)
+    if "dtype" in meta:
+        return meta["dtype"]
+    path = os.path.join(folder, "meta.json")
+    if not os.path.isfile(path):
+        return "uint16"
+    if isinstance(meta.get("vocab_size"), int):
+        return width_of(meta["vocab_size"])
+    name = meta.get("tokenizer")
+    if isinstance(name, str) and name:
+        from data.tokenizer import get_encoding
+
+        try:
+            return width_of(get_encoding(name).n_vocab)
+        except (ValueError, OSError):
+            pass
+    raise ValueError(
+        f"{path} names no dtype, vocab_size or known tokenizer, so the width of its token files (uint16 or "
+        f'uint32) is unknown: add "dtype" to it, or prepare the data again (data/prepare.py writes it)'
+    )
 
 
 def check_tokens(folder, split, block_size, vocab_size):
@@ -47,10 +73,10 @@ def check_tokens(folder, split, block_size, vocab_size):
     if not os.path.isfile(path):
         raise ValueError(f"{path} is not a file of tokens (a folder?)")
     meta = read_meta(folder)
-    dtype = meta.get("dtype", "uint16")
+    dtype = token_dtype(folder)
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"{os.path.join(folder, 'meta.json')}: dtype {dtype!r} (token files are uint16 or uint32)")
-    if not meta and vocab_size > 1 << 16:
+    if not os.path.isfile(os.path.join(folder, "meta.json")) and vocab_size > 1 << 16:
         raise ValueError(
             f"{folder} has no meta.json, so its ids would be read as uint16, which cannot hold a vocabulary of "
             f"{vocab_size}: prepare the data with data/prepare.py (it writes meta.json)"

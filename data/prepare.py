@@ -24,6 +24,7 @@ import glob
 import itertools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import tarfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.loader import width_of  # noqa: E402
 from data.tokenizer import NAMES, get_encoding, identity  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,7 +87,22 @@ BOMS = (
     (codecs.BOM_UTF16_BE, "utf-16"),
     (codecs.BOM_UTF8, "utf-8-sig"),
 )
-SHORT = 1025  # tokens: one block of GPT-2's 1,024-token context and its last target
+CONFIGS = os.path.join(os.path.dirname(HERE), "configs")
+TRAIN_DEFAULT_BLOCK = 64  # train.py's own block_size (config.Settings), for a dataset no config reads
+
+
+def default_block_size(name):
+    """The block size a dataset's split must hold (with its last target and one more: training's floor): the
+    largest block_size of the configs in configs/ that read data/<name>, else train.py's default."""
+    sizes = []
+    for path in glob.glob(os.path.join(CONFIGS, "*.py")):
+        with open(path) as f:
+            src = f.read()
+        dataset = re.search(r"^dataset\s*=\s*[\"']([^\"']*)[\"']", src, re.M)
+        block = re.search(r"^block_size\s*=\s*(\d+)", src, re.M)
+        if dataset and block and dataset.group(1) == name:
+            sizes.append(int(block.group(1)))
+    return max(sizes, default=TRAIN_DEFAULT_BLOCK)
 
 
 def read(path):
@@ -251,14 +268,37 @@ def doc_batches(docs, names, chars, tokenizer="gpt2", size=256):
         yield flush()
 
 
-def write(name, train, val, out_root=HERE, tokenizer="gpt2", allow_short=False):
+def check_replace(final, tokenizer, overwrite):
+    """A dataset already at final, prepared with another tokenizer, is replaced only when told (--overwrite):
+    a run that reads it would otherwise find other ids under its name."""
+    meta = os.path.join(final, "meta.json")
+    if overwrite or not os.path.isfile(meta):
+        return
+    try:
+        with open(meta) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError):
+        return  # not a record we wrote: nothing to protect by name
+    if isinstance(theirs, dict) and theirs.get("tokenizer_id", identity(tokenizer)) != identity(tokenizer):
+        raise SystemExit(
+            f"{final} holds {theirs.get('tokenizer')} tokens and this would replace them with {tokenizer}'s: "
+            f"choose another name (e.g. {os.path.basename(final)}_{os.path.basename(tokenizer.rstrip('/'))}), "
+            f"or --overwrite to replace it"
+        )
+
+
+def write(name, train, val, out_root=HERE, tokenizer="gpt2", allow_short=False, block_size=None, overwrite=False):
     """train, val: iterables of (name, text) documents, or tokenised datasets (an `ids` column). Written
-    into data/<name>.partial/, which becomes data/<name>/ only once complete (a failure leaves nothing)."""
+    into data/<name>.partial/, which becomes data/<name>/ only once complete (a failure leaves nothing, and
+    the dataset already under that name as it was). block_size: the training context each split must hold
+    (None: default_block_size)."""
     final, out = os.path.join(out_root, name), os.path.join(out_root, name + ".partial")
+    check_replace(final, tokenizer, overwrite)
+    block_size = default_block_size(name) if block_size is None else block_size
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     try:
-        _write(name, train, val, out, tokenizer, allow_short)
+        _write(name, train, val, out, tokenizer, allow_short, block_size)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -266,9 +306,9 @@ def write(name, train, val, out_root=HERE, tokenizer="gpt2", allow_short=False):
     os.replace(out, final)
 
 
-def _write(name, train, val, out, tokenizer, allow_short=False):
+def _write(name, train, val, out, tokenizer, allow_short, block_size):
     n_vocab = get_encoding(tokenizer).n_vocab
-    dtype = np.uint16 if n_vocab <= 1 << 16 else np.uint32
+    dtype = np.dtype(width_of(n_vocab)).type
     tok_name = tokenizer if tokenizer in NAMES else os.path.abspath(tokenizer)
     meta = {
         "tokenizer": tok_name,
@@ -295,14 +335,17 @@ def _write(name, train, val, out, tokenizer, allow_short=False):
                 f"--val_files, or a larger --val_fraction"
             )
         print(f"{name}/{split}.bin: {count} documents, {tokens:,} tokens ({tokenizer}, {meta['dtype']})")
-        if tokens < SHORT:
+        if tokens < block_size + 2:  # training's floor (data/loader.check_tokens): a window and its targets
             said = (
-                f"data/{name}/{split}.bin holds {tokens:,} tokens, fewer than a block of {SHORT - 1:,} and its target: "
-                f"training refuses a block_size >= {tokens - 1}. "
+                f"data/{name}/{split}.bin holds {tokens:,} tokens, fewer than block_size + 2 = {block_size + 2:,} that "
+                f"training at --block_size={block_size} needs (it refuses a block_size >= {tokens - 1}). "
                 + ("Give more text or --val_files, or a larger --val_fraction" if split == "val" else "Give more text")
             )
-            if not allow_short:  # write() removes the partial folder: nothing is kept
-                raise SystemExit(f"{said}; or --allow_short for a shorter --block_size (nothing was kept)")
+            if not allow_short:  # write() removes the partial folder: nothing new is kept, the old stays
+                raise SystemExit(
+                    f"{said}; or --block_size=N for the block size you train with, or --allow_short "
+                    f"(nothing was written)"
+                )
             print(f"warning: {said}", file=sys.stderr)
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
@@ -326,9 +369,17 @@ def main(argv=None):
         "last f of the last file (cut at a paragraph)",
     )
     ap.add_argument(
-        "--allow_short",
-        action="store_true",
-        help=f"keep a split of fewer than {SHORT:,} tokens (for a small --block_size) with a warning",
+        "--block_size",
+        type=int,
+        default=None,
+        help="the training context each split must hold (default: the largest block_size of the configs that "
+        f"read this dataset, else train.py's {TRAIN_DEFAULT_BLOCK})",
+    )
+    ap.add_argument(
+        "--allow_short", action="store_true", help="keep a split shorter than --block_size + 2 tokens, with a warning"
+    )
+    ap.add_argument(
+        "--overwrite", action="store_true", help="replace a dataset of this name prepared with another tokenizer"
     )
     ap.add_argument(
         "--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="tokenising processes (--hf)"
@@ -353,6 +404,10 @@ def main(argv=None):
         raise SystemExit(f"--tokenizer: {e}") from None
     if not 0 < a.val_fraction < 1:
         raise SystemExit("--val_fraction must be in (0, 1)")
+    if a.block_size is not None and a.block_size < 1:
+        raise SystemExit(f"--block_size={a.block_size}: at least 1")
+    if a.files == []:
+        raise SystemExit("--files names no file: give text files and/or folders of .txt files after it")
     if a.files:
         corpus = files_corpus(a.files, a.val_files, a.val_fraction)
     elif a.hf:
@@ -365,7 +420,15 @@ def main(argv=None):
         corpus = large_corpus()
     else:
         raise SystemExit(f"unknown dataset {a.name!r}: use small, large, --corpus, --files or --hf")
-    write(a.name, *corpus, out_root=a.out_root, tokenizer=a.tokenizer, allow_short=a.allow_short)
+    write(
+        a.name,
+        *corpus,
+        out_root=a.out_root,
+        tokenizer=a.tokenizer,
+        allow_short=a.allow_short,
+        block_size=a.block_size,
+        overwrite=a.overwrite,
+    )
 
 
 if __name__ == "__main__":

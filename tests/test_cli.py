@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -623,7 +624,7 @@ def test_the_kernel_loop_imports_no_more_than_it_needs():
 def test_every_gpu_route_says_what_is_missing_in_one_line(cmd):
     """On a CPU machine every GPU route ends before any build or CUDA call: exit 2, one line naming the
     CPU build of torch and the fix (taco_ext.require_gpu), never a traceback or a wait."""
-    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
     said = [ln for ln in p.stderr.splitlines() if "needs a CUDA GPU" in ln]
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert len(said) == 1 and "is a CPU build: install a CUDA build of torch" in said[0], p.stderr[-2000:]
@@ -651,15 +652,16 @@ def test_the_gpu_check_names_each_missing_piece(monkeypatch):
 
 
 def test_prepare_refuses_a_split_training_would_refuse_and_reads_utf16(tmp_path, capsys):
-    """A split shorter than a 1,024-token block (a small file's 1% tail, an empty file) is refused naming
-    --val_fraction / --val_files and --allow_short, and nothing is kept; --allow_short keeps it with a
-    warning. UTF-16 and UTF-32 text with a byte-order mark is read as text (not as a binary file)."""
+    """A split shorter than the training block and its targets (block_size + 2; for a dataset no config reads,
+    train.py's 64: a small file's 1% tail, an empty file) is refused naming --val_fraction / --val_files,
+    --block_size and --allow_short, and nothing is kept; --allow_short keeps it with a warning. UTF-16 and
+    UTF-32 text with a byte-order mark is read as text (not as a binary file)."""
     from data import prepare
 
     text = "\n\n".join(f"Paragraph {j}: the quick brown fox, once more." for j in range(300))
     (tmp_path / "one.txt").write_text(text)
     with pytest.raises(
-        SystemExit, match="val.bin holds .* tokens, fewer than a block .* --val_fraction.* --allow_short"
+        SystemExit, match=r"val.bin holds .* tokens, fewer than block_size \+ 2 = 66 .*--val_fraction.* --allow_short"
     ):
         prepare.main(["mine", "--files", str(tmp_path / "one.txt"), f"--out_root={tmp_path}"])
     assert not (tmp_path / "mine").exists() and not (tmp_path / "mine.partial").exists()
@@ -699,3 +701,25 @@ def test_tensorboard_events_hold_the_logs_records(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else 1)
     with pytest.raises(config.ConfigError, match="tensorboard=True needs the tensorboard package: pip install"):
         config.check(config.parse(["--tensorboard=True"]), 1)
+
+
+def test_tensorboard_after_a_resume_from_an_earlier_set_holds_each_step_once(tmp_path):
+    """A run goes to step 3, then on to 6, then is resumed from its set at 3 to step 8, twice: the events
+    hold every step once, the resumed run's where it retrained them (TensorBoard reads each event file's purge
+    step: without it the steps ran 1...6, then 4...8 again)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    args = TINY + ["--eval_interval=0", "--log_interval=1", "--tensorboard=True", f"--out_dir={out}"]
+    run(args + ["--max_iters=3"])
+    at3 = tmp_path / "kept" / "ckpt" / "iter_00000003"
+    shutil.copytree(out / "ckpt" / "iter_00000003", at3)  # a run keeps its newest set only
+    run(args + ["--max_iters=6", "--resume"])
+    for _ in range(2):
+        run(args + ["--max_iters=8", "--ckpt_interval=-1", "--resume", f"--resume_from={at3}"])
+    ev = EventAccumulator(str(out)).Reload()
+    steps = [e.step for e in ev.Scalars("train/loss")]
+    assert steps == list(range(1, 9)), steps
+    last = [json.loads(ln) for ln in open(out / "log.jsonl")][-1]
+    assert ev.Scalars("train/loss")[-1].value == pytest.approx(last["loss"], rel=1e-6)

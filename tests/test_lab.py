@@ -565,7 +565,7 @@ def test_live_at_peak_replays_an_allocator_trace_to_its_peak_and_sums_by_book_li
     assert lines == [("model.py:274 loss", (1, 300)), ("model.py:170 forward", (2, 200)), ("elsewhere", (1, 7))]
 
 
-@pytest.mark.parametrize("family, linears", [("gpt2", 4), ("qwen2", 5)])
+@pytest.mark.parametrize("family, linears", [pytest.param("gpt2", 4, marks=pytest.mark.slow), ("qwen2", 5)])
 def test_compiled_backward_makes_the_weights_bf16_copies_again(monkeypatch, family, linears):
     """Under bf16 autocast, compiled with min-cut partitioning (as inductor partitions), the forward keeps no bf16
     copy of a block's weight for the backward (recompute.autocast_weight), SwiGLU's two halves of one weight included;

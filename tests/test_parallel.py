@@ -174,12 +174,13 @@ def test_the_models_fused_loss_equals_its_logits_through_cross_entropy(tied):
     assert logits.shape[-1] == 256 and head[200:].abs().max() == 0 and head[:200].abs().max() > 0
 
 
-@pytest.mark.parametrize("T", [64, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.slow  # compiles a whole model twice over: 30 s and more on 2 cores
+@pytest.mark.parametrize("T", [64, 8])
 def test_compiled_the_backward_keeps_no_logits_unless_they_are_fewer_bytes_than_the_heads_gradient(T):
     """Compiled under bf16 autocast (width 32, padded vocabulary 256, chunks of T/2 tokens): with 2 x 64
     tokens (at least twice the width) no tensor of the vocabulary's width is kept for the backward but
     the head's own (256, 32); with 2 x 8 tokens the chunks' dz^T (256, 4) are, fewer bytes than the
-    head's fp32 gradient (what model.py's docstring says the partitioner does)."""
+    head's fp32 gradient (what loss.py's docstring says the partitioner does)."""
     torch._dynamo.reset()
     cfg = GPTConfig(block_size=T, vocab_size=200, n_layer=1, n_head=2, n_embd=32, loss_chunk=T // 2)
     g = torch.Generator().manual_seed(0)
@@ -193,7 +194,14 @@ def test_compiled_the_backward_keeps_no_logits_unless_they_are_fewer_bytes_than_
     assert vocab_wide == ({(256, 32)} if T == 64 else {(256, T // 2)}), sorted(set(kept))
 
 
-@pytest.mark.parametrize("dtype,N", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 16)])
+@pytest.mark.parametrize(
+    "dtype,N",
+    [
+        (torch.float32, 64),
+        pytest.param(torch.bfloat16, 64, marks=pytest.mark.slow),
+        pytest.param(torch.float32, 16, marks=pytest.mark.slow),
+    ],
+)
 def test_compiled_the_fused_loss_and_its_gradients_are_the_eager_ones(dtype, N):
     """torch.compile of the fused loss (4 chunks of N/4 tokens, 200 real columns of 256 at width 32, ignored
     targets) against the same function run eagerly: the loss, grad_h and grad_A equal, fp32 to rounding,

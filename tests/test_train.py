@@ -40,6 +40,7 @@ def losses(out_dir):
     return [r["loss"] for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
 
 
+@pytest.mark.slow  # three 40-step runs at 2 ranks; the layouts' compressed runs are tested fast (test_pipeline.py)
 def test_compressed_tp2_tracks_uncompressed(tmp_path):
     """40 steps of TP=2 on Shakespeare: the loss falls by > 2 nats either way; with taco (E4M3) or
     hint8 on every TP all-reduce the curve stays within 0.05 nats (about 0.5-1%) of the uncompressed one."""
@@ -203,6 +204,14 @@ def test_resume_is_bit_exact(tmp_path, zero):
         (["--beta1=1.0"], "beta1=1.0 must be in [0, 1)"),
         (["--beta2=1.0"], "beta2=1.0 must be in [0, 1)"),
         (["--timeout=0"], "timeout=0 must be >= 1"),
+        (["--loss_chunk=-1"], "loss_chunk=-1 must be >= 0"),  # negative: every step's loss was 0.0000
+        (["--recompute=all"], "recompute='all': choose one of '', pointwise, mlp, block"),  # else nothing recomputed
+        (["--learning_rate=nan"], "--learning_rate=nan: a finite number is needed"),
+        (
+            ["--family=llama"],
+            "python data/prepare.py small_llama3 --corpus=small --tokenizer=llama3, and train with "
+            "--dataset=small_llama3",
+        ),  # a name of its own: never data/small, which the CPU demo reads
         # the Qwen2 family's heads: whole key/value heads per TP rank, whole query groups per key/value head
         (["--family=gemma"], "family='gemma': choose one of gpt2, qwen2, llama, qwen3, mistral"),
         (["--arch=qwen2"], "unknown setting 'arch'; it is now family"),
@@ -267,7 +276,7 @@ def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_p
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     said = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("config error: the world size 2")]
     assert p.returncode != 0 and len(said) == 1, p.stdout + p.stderr
