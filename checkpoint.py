@@ -94,6 +94,7 @@ FIXES = {
     errno.EROFS: "the file system is read-only: choose another --out_dir",
     errno.EACCES: "permission denied: choose a folder you may write, or change its permissions",
     errno.ENAMETOOLONG: "a name in the path is too long (255 bytes a component): choose a shorter one",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
 }
 
 
@@ -278,10 +279,15 @@ def load_file(path, meta, device="cpu"):
     """One shard file of a set whose COMPLETE is `meta`: its bytes must have the recorded sha256
     and it must be of the set's run; a damaged, changed or foreign file is an error naming it."""
     name, folder = os.path.basename(path), os.path.dirname(path)
-    if name not in meta["files"] or not os.path.exists(path):
+    if name not in meta["files"]:
         raise SystemExit(
-            f"{path} is missing from its set (COMPLETE lists {sorted(meta['files'])}): the set was "
-            f"written by another layout"
+            f"{path} is not in its set (COMPLETE lists {sorted(meta['files'])}): the set was written at another "
+            f"layout (tp {meta.get('tp')} x pp {meta.get('pp')}, zero1 {meta.get('zero1')}): resume with that layout"
+        )
+    if not os.path.exists(path):
+        raise SystemExit(
+            f"{path} is missing: its set lists it (COMPLETE), but the file was deleted or never copied. Restore "
+            f"it, or delete {folder} to resume from an older set"
         )
     if sha256_of(path) != meta["files"][name]:
         try:  # only to say what it is

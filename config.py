@@ -174,6 +174,13 @@ def refuse(message):
     if int(os.environ.get("LOCAL_RANK", "0")) > 0:
         time.sleep(WAIT_FOR_RANK0)
     print(message, file=sys.stderr, flush=True)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun, whose own report follows: say what it is
+        print(
+            "(the line above is the whole story: nothing started. torchrun's report follows, a traceback of its own "
+            "with this line as its root cause and the other ranks stopped; fix the setting and launch again)",
+            file=sys.stderr,
+            flush=True,
+        )
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         info = {"py_callstack": message, "timestamp": str(int(time.time()))}
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
@@ -199,7 +206,6 @@ AT_LEAST = {
     -1: ["ckpt_interval"],
 }
 BELOW_ONE = ("dropout", "beta1", "beta2")  # in [0, 1)
-POSITIVE = ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq", "rope_high_freq", "rope_original_positions")
 BOOLS = {"True": True, "False": False, "true": True, "false": False, "1": True, "0": False}
 RENAMED = {"arch": "family", "bias": "qkv_bias, linear_bias and norm_bias"}  # settings of earlier versions
 
@@ -348,15 +354,10 @@ def check_values(cfg):
     for k in BELOW_ONE:
         if not 0 <= getattr(cfg, k) < 1:
             raise ConfigError(f"{k}={getattr(cfg, k)} must be in [0, 1)")
-    for k in POSITIVE:
-        if not getattr(cfg, k) > 0:
-            raise ConfigError(f"{k}={getattr(cfg, k)} must be > 0")
     for k, t in TYPES.items():  # a config file can give float("nan"), which no range above refuses
         if float in (typing.get_args(t) or (t,)) and isinstance(getattr(cfg, k), float):
             if not math.isfinite(getattr(cfg, k)):
                 raise ConfigError(f"{k}={getattr(cfg, k)}: a finite number is needed")
-    if cfg.rope_scaling == "llama3" and not cfg.rope_high_freq > cfg.rope_low_freq:
-        raise ConfigError(f"rope_high_freq={cfg.rope_high_freq} must be > rope_low_freq={cfg.rope_low_freq}")
     if cfg.eval_interval and cfg.eval_iters < 1:
         raise ConfigError(
             "eval_iters=0 with eval_interval > 0: set eval_iters >= 1, or eval_interval=0 for no evaluation"
@@ -416,6 +417,15 @@ def check_model(mc, tp=1):
         raise ConfigError(
             f"the padded vocabulary ({mc.padded_vocab}) is not divisible by tp={tp}; "
             f"use a power-of-two tp (the vocabulary is padded to a multiple of 128)"
+        )
+    scaled = ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original_positions")
+    for k in ("norm_eps", "rope_theta") + (scaled if mc.rope_scaling == "llama3" else ()):
+        if not getattr(mc, k) > 0:  # 0 gives NaN logits, a negative one other positions than the model's
+            raise ConfigError(f"{k}={getattr(mc, k)} must be > 0")
+    if mc.rope_scaling == "llama3" and not mc.rope_high_freq > mc.rope_low_freq:
+        raise ConfigError(
+            f"rope_high_freq={mc.rope_high_freq} must be > rope_low_freq={mc.rope_low_freq} (Llama 3's scaling "
+            f"blends the wavelengths between original / high_freq and original / low_freq)"
         )
     if mc.positions == "rotary" and mc.head_dim % 2:
         what = "n_embd/n_head" if derived else "head_dim"

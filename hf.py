@@ -10,9 +10,11 @@ weights' names, config.json's keys and defaults. A folder whose model the family
 lacks) is refused naming what; so is a model the class cannot hold.
 """
 
+import dataclasses
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -175,7 +177,44 @@ def model_config(folder):
             f"{path}: this {kind} model uses {'; '.join(unbuilt)}, which the {layout.family} family here does not build"
         )
     rope = rope_settings(hf, path) if FAMILIES[layout.family].positions == "rotary" else {}
-    return GPTConfig(family=layout.family, block_size=values["max_positions"], **values, **rope)
+    named = {**layout.keys, **{ours: f"the rotary scaling's {theirs}" for ours, theirs in ROPE_KEYS.items()}}
+    for ours, value in {**values, **rope}.items():  # "2" for a number reaches no layer: refused here, named
+        if not of_type(value, FIELD_TYPES[ours]):
+            said = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[FIELD_TYPES[ours]]
+            raise ValueError(f"{path}: {named.get(ours, ours)} is {value!r}, not {said}")
+    mc = GPTConfig(family=layout.family, block_size=values["max_positions"], **values, **rope)
+    if mc.tie_embeddings and separate_head(folder, mc):  # as transformers loads it: the file's head, untied
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"note: {path} says tie_word_embeddings, but the weights hold an lm_head.weight of their own, "
+                f"which transformers keeps: loaded untied (an export writes tie_word_embeddings false)",
+                file=sys.stderr,
+            )
+        mc = dataclasses.replace(mc, tie_embeddings=False)
+    return mc
+
+
+def separate_head(folder, mc):
+    """Whether the folder's weights hold an LM head other than the token embedding (a tied config.json over
+    a head of its own). Weights that cannot be read say nothing here: where they are loaded, they are named."""
+    try:
+        read = Weights(folder)
+    except ValueError:
+        return False
+    if "lm_head.weight" not in read.where:
+        return False
+    embed, head = read(hf_names("wte.weight", mc)[0]), read("lm_head.weight")
+    return head.shape != embed.shape or not torch.equal(head, embed)
+
+
+FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(GPTConfig)}
+
+
+def of_type(value, want):
+    """Whether a config.json value can be GPTConfig's field of type want (an int for a float; a bool is no number)."""
+    if isinstance(value, bool) or want is bool:
+        return isinstance(value, bool) and want is bool
+    return isinstance(value, want) or (want is float and isinstance(value, int))
 
 
 def refusals(hf, layout, context):

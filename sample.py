@@ -105,7 +105,7 @@ def load_with_tokenizer(path, device="cpu"):
         read = hf.Weights(path)
         hf.check_weights(read, mc, path)
         checkpoint.shard_into(model, hf.from_hf(read, mc))
-        run = {}
+        run = None
     else:
         found = [path] if os.path.exists(os.path.join(path, "COMPLETE")) else checkpoint.sets(path)
         if not found:
@@ -117,9 +117,17 @@ def load_with_tokenizer(path, device="cpu"):
 
 
 def tokenizer_of(path, mc, run):
-    """The tokenizer of a model loaded from path (run: its run's settings, {} for a Hugging Face folder)."""
+    """The tokenizer of a model loaded from path (run: its run's settings, None for a Hugging Face folder). A
+    folder without tokenizer.json reads its family's tokenizer only where its vocabulary holds that tokenizer's
+    ids (Qwen2's is padded past them); otherwise None: no tokenizer known here (a SmolLM2 folder, 49,152 ids,
+    decoded with Llama 3's tokenizer would print other words), which generate refuses and export says."""
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return path
+    if run is None:
+        from data.tokenizer import get_encoding
+
+        family = FAMILIES[mc.family].tokenizer
+        return family if family and mc.vocab_size >= get_encoding(family).n_vocab else None
     if run.get("tokenizer"):
         return run["tokenizer"]
     try:  # a run of an earlier version: its data says
@@ -141,6 +149,8 @@ def export(model, tokenizer, dest, overwrite, source):
     place whole: a folder that held another model is replaced only with overwrite, and its other files
     (a README, say) are kept while every model and tokenizer file of the old model goes (a stale shard
     index would make loaders read the old weights). OS errors in one line."""
+    from safetensors import SafetensorError
+
     from data.tokenizer import get_encoding, save_hf
 
     dest = os.path.abspath(dest)
@@ -154,6 +164,7 @@ def export(model, tokenizer, dest, overwrite, source):
         raise SystemExit(f"{dest}: cannot export: permission denied (a read-only folder): choose another")
     covered = bool(tokenizer) and model.config.vocab_size >= get_encoding(tokenizer).n_vocab
     partial = dest + ".partial"
+    moved = []  # the old folder's other files, once in partial: then partial is not removed on a failure
     try:
         with checkpoint.os_errors(dest, "export"):
             shutil.rmtree(partial, ignore_errors=True)
@@ -165,13 +176,19 @@ def export(model, tokenizer, dest, overwrite, source):
             for f in old:  # the old folder's other files come along
                 if f not in MODEL_FILES + TOKENIZER_FILES and not stale.match(f):
                     shutil.move(os.path.join(dest, f), os.path.join(partial, f))
+                    moved.append(f)
             if old:
                 os.rename(dest, dest + ".old")
             os.rename(partial, dest)
             shutil.rmtree(dest + ".old", ignore_errors=True)
     except ValueError as e:  # a model the family's class cannot hold
-        shutil.rmtree(partial, ignore_errors=True)
         raise SystemExit(f"{source}: {e}") from None
+    except SafetensorError as e:  # safetensors' own error for what the OS refused (a full disk)
+        raise SystemExit(f"{dest}: cannot export: the weights could not be written ({e}): free space, or choose "
+                         f"another folder (the model that was there is kept)") from None  # fmt: skip
+    finally:  # whatever ended the export, no half-written folder stays beside dest (unless it holds its files)
+        if not moved:
+            shutil.rmtree(partial, ignore_errors=True)
     print(
         f"wrote {dest}/model.safetensors and config.json ({model.config.family})"
         + (
@@ -214,7 +231,15 @@ def cli(argv=None):
         raise SystemExit("--temperature must be > 0, --tokens and --top_k >= 0")
     from data.tokenizer import get_encoding
 
-    enc = get_encoding(name)
+    if name is None:
+        raise SystemExit(
+            f"{a.path} has no tokenizer.json, and its vocabulary of {model.config.vocab_size} is not that of its "
+            f"family's tokenizer here: copy the model's tokenizer.json (and tokenizer_config.json) into it"
+        )
+    try:
+        enc = get_encoding(name)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"{a.path}: its tokenizer ({name}) cannot be read: {e}") from None
     ids = enc.encode_ordinary(a.prompt)
     if max(ids, default=0) >= model.config.vocab_size:
         raise SystemExit(
@@ -224,8 +249,7 @@ def cli(argv=None):
     idx = torch.tensor([ids] * a.num_samples, device=a.device)
     gen = torch.Generator().manual_seed(a.seed)
     out = generate(model, idx, a.tokens, a.temperature, a.top_k or None, gen)
-    for row in out.tolist():
-        print(enc.decode(row) + "\n---------------")
+    print("\n---------------\n".join(enc.decode(row) for row in out.tolist()))  # a line between samples
 
 
 if __name__ == "__main__":

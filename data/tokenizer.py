@@ -115,7 +115,11 @@ class FolderTokenizer:
             raise ValueError(
                 f"tokenizer {folder!r}: neither one of {', '.join(NAMES)} nor a folder with tokenizer.json"
             )
-        self.name, self.folder, self.tok = os.path.abspath(folder), folder, Tokenizer.from_file(path)
+        try:
+            tok = Tokenizer.from_file(path)
+        except Exception as e:  # the tokenizers library raises plain Exceptions for a file it cannot parse
+            raise ValueError(f"{path} is not a tokenizer.json the tokenizers library reads ({e})") from None
+        self.name, self.folder, self.tok = os.path.abspath(folder), folder, tok
         self.tok.encode_special_tokens = True
         self.n_vocab = self.tok.get_vocab_size(with_added_tokens=True)
         eos = None

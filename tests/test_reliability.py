@@ -519,3 +519,18 @@ def test_init_from_keeps_the_settings_that_say_how_not_what():
     c = config.parse(["--init_from=tests/fixtures/hf_qwen2_untied", "--recompute=block", "--loss_chunk=16"])
     config.take_init_from(c)
     assert (c.family, c.recompute, c.loss_chunk) == ("qwen2", "block", 16)
+
+
+def test_a_deleted_shard_is_named_as_missing_not_as_another_layout(tmp_path):
+    """A rank's file deleted from a complete set: the resume names the file as missing and says how to go on
+    (it was blamed on another layout); a file that the set does not list is one of another layout, named so."""
+    r = _run(tmp_path)
+    checkpoint.save(r, 2)
+    folder = tmp_path / "ckpt" / "iter_00000002"
+    os.remove(folder / "tp0_pp0.pt")
+    with pytest.raises(SystemExit, match="tp0_pp0.pt is missing: its set lists it") as e:
+        checkpoint.resume(_run(tmp_path, run_id=None))
+    assert "another layout" not in str(e.value)
+    meta = checkpoint.read_complete(str(folder))
+    with pytest.raises(SystemExit, match=r"is not in its set .* written at another layout \(tp 1 x pp 1"):
+        checkpoint.load_file(str(folder / "tp1_pp0.pt"), meta)

@@ -260,9 +260,18 @@ def test_a_refused_config_ends_the_process_with_its_message():
     assert p.returncode != 0 and "config error: the world size 1 is not tp*pp*dp" in p.stderr + p.stdout
 
 
-def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_path):
-    """Two ranks refuse alike: rank 0 says why, once, with no traceback of ours, and its message is the
-    root cause in torchrun's summary; the other rank ends quietly."""
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--tp=3"], "config error: the world size 2"),  # an impossible layout
+        (["--max_iter=5"], "config error: --max_iter: unknown setting 'max_iter'; did you mean max_iters?"),  # a typo
+        (["configs/no_such_config.py"], "config error: config file configs/no_such_config.py not found"),
+    ],
+)
+def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_path, args, said):
+    """Two ranks refuse alike: rank 0 says why, once, with no traceback of ours, first, and then says that
+    torchrun's report follows (a refusal, not a crash); its message is the root cause in torchrun's summary;
+    the other rank ends quietly."""
     p = subprocess.run(
         [
             sys.executable,
@@ -270,7 +279,7 @@ def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_p
             "torch.distributed.run",
             "--nproc_per_node=2",
             "train.py",
-            "--tp=3",
+            *args,
             f"--out_dir={tmp_path}",
         ],
         cwd=ROOT,
@@ -278,10 +287,15 @@ def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_p
         text=True,
         timeout=300,
     )
-    said = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("config error: the world size 2")]
-    assert p.returncode != 0 and len(said) == 1, p.stdout + p.stderr
+    lines = p.stderr.splitlines()
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("config error")), None)
+    assert p.returncode != 0 and first is not None and lines[first].startswith(said), p.stderr
+    banner = ("", "*****", "Setting OMP_NUM_THREADS", "W1", "I1")  # torchrun's own lines before any rank's
+    assert all(ln.startswith(banner) for ln in lines[:first]), lines[:first]  # ours is the first word of a rank
+    assert lines[first + 1].startswith("(the line above is the whole story: nothing started. torchrun's report")
+    assert [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith(said)] == [lines[first]]
     assert "rank      : 0 (local_rank: 0)\n  exitcode  : 1" in p.stderr.split("Root Cause")[1]
-    assert "traceback : config error: the world size 2" in p.stderr and 'train.py", line' not in p.stderr
+    assert f"traceback : {said}" in p.stderr and 'train.py", line' not in p.stderr
 
 
 def test_nan_loss_stops_the_run(tmp_path):
