@@ -503,12 +503,33 @@ def check(cfg, world, local_world=None):
         raise ConfigError(f"out_dir={cfg.out_dir!r} is a file, not a folder: choose another --out_dir")
     cfg.tokenizer = model_tokenizer(cfg)  # resolved: the run records the one it read
     try:
+        check_family_reads_the_data(cfg, read_meta(data_dir(cfg)))
         for split in ("train", "val"):
             check_tokens(data_dir(cfg), split, cfg.block_size, mc.vocab_size)
         check_data_tokenizer(cfg, read_meta(data_dir(cfg)))
     except ValueError as e:
         raise ConfigError(f"{e} (to write it: {prepare_hint(cfg)})") from None
     return dp
+
+
+def check_family_reads_the_data(cfg, meta):
+    """Data of a known tokenizer that is not the model's, where no --tokenizer or --init_from says otherwise: one
+    refusal naming every setting a model that reads it needs together (family, vocab_size; the tokenizer follows
+    from the family), or the data to prepare for this model. (Separately, the ids past the vocabulary and then
+    the tokenizer were refused one at a time, and neither named the family.)"""
+    from data.tokenizer import NAMES, get_encoding
+
+    theirs = meta.get("tokenizer")
+    if theirs not in NAMES or theirs == cfg.tokenizer or "tokenizer" in getattr(cfg, "given", ()) or cfg.init_from:
+        return
+    families = [name for name, family in FAMILIES.items() if family.tokenizer == theirs]
+    n_vocab = get_encoding(theirs).n_vocab
+    raise ConfigError(
+        f"{data_dir(cfg)} holds {theirs} tokens (ids up to {n_vocab - 1:,}), which a {cfg.family} model with "
+        f"{cfg.tokenizer}'s tokenizer does not read: train a model that reads them with --family={families[0]} "
+        f"--vocab_size={n_vocab} (or --init_from=<a {' or '.join(families)} folder>), or prepare data for this "
+        f"model: {prepare_hint(cfg)}"
+    )
 
 
 def model_tokenizer(cfg):

@@ -132,7 +132,8 @@ def step_line(r, it, mean, lr, dt, tokens, flops, grad_norm):
         mem = mem.item()
         line += f" | mem {mem:5.1f} GiB"
     eta = (r.cfg.max_iters - it - 1) * dt  # at this line's pace, evaluations and saves not counted
-    line += f" | eta {duration(eta)}"
+    # the run's first step also warms up (allocations, kernels built or compiled): no pace to go by yet
+    line += f" | eta {duration(eta) if it > r.it0 else '-'}"
     record = dict(iter=it + 1, loss=mean, lr=lr, grad_norm=grad_norm, ms=dt * 1000, tok_s=tokens / dt, mfu=mfu)
     record["peak_mem_gib"] = mem
     for name, s in (("tp", r.comm.stats), ("dp", r.dp_stats), ("pp", r.pp_stats)):

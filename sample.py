@@ -3,7 +3,7 @@ Text out of a model: generation (also across TP ranks and pipeline stages: train
 sample at the end of a run), and the command line for checkpoints and weights:
 
     python sample.py generate out/demo --prompt "ROMEO:" --tokens 200 --temperature 0.8 --top_k 100
-    python sample.py generate path/to/qwen2.5-0.5b          # a Hugging Face GPT-2 or Qwen2 folder
+    python sample.py generate path/to/qwen2.5-0.5b          # a Hugging Face folder of any family here
     python sample.py export out/demo hf_out/                # a checkpoint as a Hugging Face folder
 
 A checkpoint of any (tp, pp) layout is merged into one model on one process (checkpoint.merge).

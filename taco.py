@@ -67,8 +67,6 @@ directly, two barriers instead of two NCCL calls, the same bytes and results.
 On CUDA tensors the fused kernels of taco_kernels.cu (loaded by taco_ext.py) do steps 2, 4 and 6;
 elsewhere, and as their definition, the PyTorch reference here."""
 
-import atexit
-import datetime
 import math
 import os
 from dataclasses import dataclass
@@ -78,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 import taco_ext
+import watchdog
 
 DEFAULT_CODEC = "hint8"  # the most accurate 8-bit codec here (docs/RESULTS.md); `taco` is the paper's
 TRANSPORTS = ("auto", "dist", "symm")  # how the compressed bytes travel (taco_symm.workspace)
@@ -536,13 +535,12 @@ def all_reduce(
 
 _AGREED = set()  # (group, codec, block, numel, dtype) whose ranks were checked to agree
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]  # a dtype's code in that check
-_GLOO_GROUPS = set()  # the gloo groups a collective here used: their ranks meet at exit (_destroy_groups)
 
 
 def _check(x, group, cd, chunks=1):
     """Refuse what the codecs cannot carry; the first time a group sees a codec, size and dtype, one small
     all-gather checks that every rank passes the same (else a rank decodes the others' bytes wrongly). A gloo
-    group, with any codec, is also noted for the exit (_destroy_groups)."""
+    group, with any codec, is also noted for the exit (watchdog.meet_at_exit)."""
     if cd is not IDENTITY and not x.is_floating_point():
         raise TypeError(
             f"taco: a {x.dtype} tensor cannot go through the lossy {cd.name!r} codec; "
@@ -553,10 +551,7 @@ def _check(x, group, cd, chunks=1):
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     g = group or dist.group.WORLD
-    if g not in _GLOO_GROUPS and dist.get_backend(g) == "gloo":
-        _GLOO_GROUPS.add(g)
-        atexit.unregister(_destroy_groups)  # registered once
-        atexit.register(_destroy_groups)
+    watchdog.meet_at_exit(g)  # a gloo group's ranks meet before the interpreter ends (no abort at exit)
     key = (g, cd.name, getattr(cd, "block", 0), x.numel(), x.dtype)
     if cd is IDENTITY or key in _AGREED:
         return
@@ -573,38 +568,6 @@ def _check(x, group, cd, chunks=1):
             f"dtypes to one collective ({said}); every rank must pass the same"
         )
     _AGREED.add(key)
-
-
-def _destroy_groups():
-    """At interpreter exit, for a script that did not destroy its process groups: every gloo group a collective
-    here used (any codec) meets at a barrier, then every rank meets once more through the job's store, then the
-    process groups are destroyed. A gloo rank that leaves while a peer still exchanges bytes with it (a
-    collective's, or the barrier's own last message) tears down gloo's transport under that work ("terminate
-    called without an active exception", SIGABRT); so does a job whose groups are torn down by the interpreter's
-    exit rather than destroyed (torch's own all_reduce included). The store's meeting (its own connection, not
-    gloo's) makes sure that no rank closes a gloo connection before every rank has received the barrier's last
-    message. The groups in one order on every rank (no crossed waits); each wait gives up after 60 s (a peer
-    that died or is still busy: then the exit is as it was without this hook)."""
-    if not dist.is_initialized():
-        return
-    wait = datetime.timedelta(seconds=60)
-    groups = {}
-    for g in _GLOO_GROUPS:
-        try:
-            groups[tuple(dist.get_process_group_ranks(g))] = g
-        except (ValueError, RuntimeError):
-            pass  # a group of a process group destroyed since
-    store = dist.distributed_c10d._get_default_store()
-    try:
-        for ranks in sorted(groups):
-            dist.monitored_barrier(groups[ranks], timeout=wait)
-        for ranks in sorted(groups):  # the group's ranks meet in the store: the last to come lets all go
-            if store.add(f"taco_exit_{ranks}", 1) == len(ranks):
-                store.set(f"taco_exit_{ranks}_all", "1")
-            store.wait([f"taco_exit_{ranks}_all"], wait)
-    except RuntimeError:
-        return  # a peer is gone: nothing left to wait for
-    dist.destroy_process_group()
 
 
 def _plan_chunks(n, W, block, chunks):

@@ -8,8 +8,13 @@ When a rank stops answering. A collective that waits longer than --timeout secon
 job ends with: the ranks that did not answer are named, and those on this host stopped, so that the
 whole job ends within timeout + STALL_WAIT s (and the processes' exit) instead of hanging
 (docs/RELIABILITY.md).
+
+When a script ends without destroying its process groups (a user's script of taco's collectives): the gloo
+groups those used meet at exit before the groups are destroyed, so that no rank aborts (meet_at_exit).
 """
 
+import atexit
+import datetime
 import os
 import signal
 import socket
@@ -99,3 +104,51 @@ def stalled_exit(grid, timeout, e):
     return (
         f"rank {grid.rank}: a collective did not complete within timeout={timeout} s: {who} ({str(e).splitlines()[0]})"
     )
+
+
+# -----------------------------------------------------------------------------
+# a script's exit: the gloo groups taco's collectives used meet before the interpreter ends
+
+_EXIT_GROUPS = set()
+
+
+def meet_at_exit(group):
+    """Note a group a collective used (taco's, any codec): at exit, a gloo group's ranks meet and the process
+    groups are destroyed (_meet_and_destroy), for a script that ends without destroy_process_group."""
+    if group in _EXIT_GROUPS or dist.get_backend(group) != "gloo":
+        return
+    _EXIT_GROUPS.add(group)
+    atexit.unregister(_meet_and_destroy)  # registered once
+    atexit.register(_meet_and_destroy)
+
+
+def _meet_and_destroy():
+    """At interpreter exit, for a script that did not destroy its process groups: every gloo group that taco's
+    collectives used (any codec) meets at a barrier, then its ranks meet once more in the job's store, then the
+    process groups are destroyed. A gloo rank that leaves while a peer still exchanges bytes with it (a
+    collective's, or the barrier's own last message) tears down gloo's transport under that work ("terminate
+    called without an active exception", SIGABRT); so does a job whose groups are torn down by the interpreter's
+    exit rather than destroyed (torch's own all_reduce included). The store's meeting (its own connection, not
+    gloo's) makes sure that no rank closes a gloo connection before every rank has received the barrier's last
+    message. The groups in one order on every rank (no crossed waits); each wait gives up after 60 s (a peer
+    that died or is still busy: then the exit is as it was without this hook)."""
+    if not dist.is_initialized():
+        return
+    wait = datetime.timedelta(seconds=60)
+    groups = {}
+    for g in _EXIT_GROUPS:
+        try:
+            groups[tuple(dist.get_process_group_ranks(g))] = g
+        except (ValueError, RuntimeError):
+            pass  # a group of a process group destroyed since
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        for ranks in sorted(groups):
+            dist.monitored_barrier(groups[ranks], timeout=wait)
+        for ranks in sorted(groups):  # the group's ranks meet in the store: the last to come lets all go
+            if store.add(f"taco_exit_{ranks}", 1) == len(ranks):
+                store.set(f"taco_exit_{ranks}_all", "1")
+            store.wait([f"taco_exit_{ranks}_all"], wait)
+    except RuntimeError:
+        return  # a peer is gone: nothing left to wait for
+    dist.destroy_process_group()

@@ -393,7 +393,7 @@ def curves(paths, out=None):
                 label=f"{label} val",
             )
         axes[1].plot([r["iter"] for r in steps], [r["tok_s"] for r in steps], label=label)
-    axes[0].set(xlabel="step", ylabel="loss")
+    axes[0].set(xlabel="step", ylabel="loss (log scale)", yscale="log")  # the late curve's changes stay visible
     axes[1].set(xlabel="step", ylabel="tokens/s")
     save_figure(fig, axes, out)
     return [(ln.get_label(), len(ln.get_xdata())) for ln in axes[0].lines]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import config
+import sample
 from data import prepare
 from data.loader import Batches, token_dtype
 
@@ -108,3 +109,47 @@ def test_a_refused_prepare_leaves_the_dataset_under_its_name_as_it_was(tmp_path)
 def test_prepare_says_what_is_wrong_with_an_empty_files_list(tmp_path):
     with pytest.raises(SystemExit, match="--files names no file"):
         prepare.main(["x5", "--files", f"--out_root={tmp_path}"])
+
+
+def test_data_of_another_family_is_refused_once_naming_every_setting_together(tmp_path):
+    """Own text prepared with Llama 3's tokenizer, trained with the defaults (a GPT-2): one refusal that names
+    --family=llama and the vocabulary together, and the data to prepare instead (it took two refusals, the first
+    citing Qwen2's tokenizer, and neither named the family); with those two settings the data is taken."""
+    ids = (np.arange(4000) * 31 % 128000).astype(np.uint32)
+    _dataset(tmp_path / "mine", ids, {"tokenizer": "llama3", "dtype": "uint32"})
+    with pytest.raises(config.ConfigError) as e:
+        config.check(config.parse([f"--data_dir={tmp_path}", "--dataset=mine"]), 1)
+    said = str(e.value)
+    assert "holds llama3 tokens" in said and "--family=llama --vocab_size=128256" in said, said
+    assert "python data/prepare.py mine --files <your text>" in said and "Qwen2" not in said
+    config.check(config.parse([f"--data_dir={tmp_path}", "--dataset=mine", "--family=llama", "--vocab_size=128256"]), 1)
+
+
+@pytest.mark.parametrize(
+    "name", ["hf_llama_tied", pytest.param("hf_qwen2_untied", marks=pytest.mark.slow),
+             pytest.param("hf_qwen3", marks=pytest.mark.slow), pytest.param("hf_smollm2", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_the_readmes_cpu_fine_tune_is_one_command_for_each_family(tmp_path, name):
+    """configs/finetune_cpu.py and --init_from are the whole recipe: the folder fills every model setting (no
+    config file of its shape, no guessed flags); data in the folder's tokenizer (here ids it holds, with the
+    meta.json prepare.py writes) is all the rest."""
+    from data.tokenizer import identity
+    from launcher import launch
+
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", name)
+    tok = (
+        folder
+        if os.path.isfile(os.path.join(folder, "tokenizer.json"))
+        else {"hf_llama_tied": "llama3"}.get(name, "qwen2")
+    )
+    ids = (np.arange(3000) * 7 % 250).astype(np.uint16)
+    _dataset(tmp_path / "ft", ids, {"tokenizer": tok, "tokenizer_id": identity(tok), "dtype": "uint16"})
+    args = ["configs/finetune_cpu.py", f"--init_from={folder}", f"--data_dir={tmp_path}", "--dataset=ft"]
+    p = launch("train.py", args + ["--block_size=16", "--max_iters=4", "--eval_interval=0", "--sample_tokens=0",
+                                   f"--out_dir={tmp_path / 'out'}"], 1)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    losses = [json.loads(ln)["loss"] for ln in open(tmp_path / "out" / "log.jsonl") if '"loss"' in ln]
+    x, y = Batches(str(tmp_path / "ft"), 16, 4, config.Settings().seed, 0, torch.device("cpu")).get("train", 0, 0)
+    with torch.no_grad():  # step 1 trained the folder's own model: its loss on the first batch
+        first = sample.load(folder)(x, y)[1].item()
+    assert losses[0] == pytest.approx(first, rel=1e-5) and all(np.isfinite(losses))

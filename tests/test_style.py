@@ -13,7 +13,7 @@ from launcher import ROOT
 
 
 def ruff(*args):
-    exe = shutil.which("ruff") or pytest.fail("ruff is not installed: pip install -r requirements.txt")
+    exe = shutil.which("ruff") or pytest.fail("ruff is not installed: pip install -r requirements-test.txt")
     return subprocess.run([exe, *args], cwd=ROOT, capture_output=True, text=True)
 
 
@@ -32,7 +32,7 @@ def test_the_route_stays_under_its_guard():
     test fails only past the guard, far above the ceiling that lab.book reports the slack under."""
     from lab import book
 
-    assert shutil.which("ruff"), "ruff is not installed: pip install -r requirements.txt"
+    assert shutil.which("ruff"), "ruff is not installed: pip install -r requirements-test.txt"
     total = sum(n for _, n in book.counts())
     assert book.CEILING < book.GUARD
     assert total <= book.GUARD, f"the route is {total} lines, past its guard of {book.GUARD} (ceiling {book.CEILING})"

@@ -264,8 +264,16 @@ def test_a_refused_config_ends_the_process_with_its_message():
     "args, said",
     [
         (["--tp=3"], "config error: the world size 2"),  # an impossible layout
-        (["--max_iter=5"], "config error: --max_iter: unknown setting 'max_iter'; did you mean max_iters?"),  # a typo
-        (["configs/no_such_config.py"], "config error: config file configs/no_such_config.py not found"),
+        pytest.param(  # a typo
+            ["--max_iter=5"],
+            "config error: --max_iter: unknown setting 'max_iter'; did you mean max_iters?",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["configs/no_such_config.py"],
+            "config error: config file configs/no_such_config.py not found",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_under_torchrun_a_refusal_is_said_once_and_is_torchruns_root_cause(tmp_path, args, said):
