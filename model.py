@@ -201,9 +201,8 @@ class RowParallelLinear(nn.Module):
         return full.chunk(self.comm.size, dim=1)[self.comm.rank]
 
     def forward(self, x):  # x: (B, T, in/tp)
-        y = parallel.g(
-            F.linear(x, recompute.autocast_weight(self.weight)), self.comm
-        )  # (B, T, out), SP: (B, T/tp, out)
+        w = recompute.autocast_weight(self.weight)
+        y = parallel.g(F.linear(x, w), self.comm)  # (B, T, out), SP: (B, T/tp, out)
         return y if self.bias is None else y + self.bias
 
 

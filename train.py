@@ -296,7 +296,13 @@ def main(argv=None, model_hook=None):
         if not watchdog.timed_out(e):
             raise
         raise SystemExit(watchdog.stalled_exit(r.grid, r.cfg.timeout, e)) from None
-    if r.grid.world > 1:
+    leave(r.grid)
+
+
+def leave(grid):
+    """Every rank at the same point: a barrier, then the process groups destroyed while the interpreter is whole
+    (left to its exit, gloo's teardown can abort a rank)."""
+    if grid.world > 1:
         dist.barrier()
         dist.destroy_process_group()
 
@@ -350,6 +356,7 @@ def train(r):
             out.line(f"stopped at step {it + 1}" + ("; continue with --resume" if saving else ""))
             if grid.rank == 0 and "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun
                 print("(torchrun reports the signal next: its traceback and exit code 1 are its own)", flush=True)
+            leave(grid)  # every rank stops at this step (stop.agreed): they leave together, before torchrun goes
             raise SystemExit(128 + stopping)
     stop.restore()
     out.close()

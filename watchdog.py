@@ -92,7 +92,9 @@ def stop_stalled(grid, wait=STALL_WAIT):
 
 
 def stalled_exit(grid, timeout, e):
-    """The SystemExit message after collective error e: who stalled, and who was stopped."""
+    """The SystemExit message after collective error e: who stalled, and who was stopped. No meeting at this
+    process's exit (meet_at_exit): a peer that stalled would hold it."""
+    _EXIT_GROUPS.clear()
     stalled, stopped = stop_stalled(grid)
     names = lambda ranks: ", ".join(map(str, ranks)) or "none"
     who = (
